@@ -1,0 +1,134 @@
+"""Model configuration: one dataclass, validated with errors that name the key and the fix."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+from tapetrain.errors import ConfigError
+
+POSITIONAL_ENCODINGS = ("tape", "rope", "nope", "alibi", "randpe", "xpos", "fire")
+ROTARY_ENCODINGS = ("tape", "rope", "randpe", "xpos")  # need an even head dim
+TAPE_HEAD_MIX = ("full", "gain")
+
+
+def _help(text: str, **kwargs):
+    return field(metadata={"help": text}, **kwargs)
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style decoder (RMSNorm, SwiGLU, GQA) with a choice of positional encoding."""
+
+    vocab_size: int = _help("Tokenizer vocabulary size; token ids must be < vocab_size.", default=32000)
+    d_model: int = _help("Hidden size C.", default=768)
+    n_layers: int = _help("Number of decoder layers.", default=12)
+    n_heads: int = _help("Query heads M; d_model / n_heads is the head dim D.", default=12)
+    n_kv_heads: int | None = _help("Key/value heads for grouped-query attention (None = n_heads).", default=None)
+    ffn_hidden: int | None = _help(
+        "SwiGLU intermediate size (None = 8/3·d_model rounded up to a multiple of 256, as Llama).", default=None
+    )
+    max_seq_len: int = _help("Training context length; longer inputs are allowed at evaluation.", default=1024)
+    pe: str = _help("Positional encoding: tape, rope, nope, alibi, randpe, xpos or fire.", default="tape")
+    norm_eps: float = _help("RMSNorm epsilon.", default=1e-5)
+    rope_theta: float = _help("Rotary base (theta scaling raises it, e.g. 1e6).", default=10000.0)
+    pi_factor: float = _help(
+        "Linear position interpolation: positions are divided by this (2 for 4K->8K).", default=1.0
+    )
+    tie_embeddings: bool = _help("Share the input embedding and the LM head.", default=False)
+    attn_backend: str = _help("Attention backend: auto, eager, sdpa, triton or flash.", default="auto")
+    activation_checkpointing: bool = _help("Recompute each layer in backward to save activation memory.", default=False)
+    causal: bool = _help("Causal (decoder) masking; False only for equivariance tests.", default=True)
+    init_std: float = _help("Std of the normal init of linear and embedding weights.", default=0.02)
+    tape_attn_update: bool = _help("TAPE: attention-side update E += (A·E) W_A (ablation switch).", default=True)
+    tape_mlp_update: bool = _help("TAPE: MLP-side position update (ablation switch).", default=True)
+    tape_channels: int | None = _help("TAPE: MLP-update channels I (None = 4·n_heads).", default=None)
+    tape_head_mix: str = _help(
+        "TAPE: W_A as a full head-mixing M×M matrix ('full', the paper) or a per-head gain ('gain', the code).",
+        default="full",
+    )
+    randpe_max_position: int | None = _help(
+        "randpe: training positions are a sorted random subset of [0, this) (None = 4·max_seq_len).", default=None
+    )
+    xpos_scale_base: float = _help("xpos: decay length scale.", default=512.0)
+    fire_hidden: int = _help("fire: hidden width of the bias MLP.", default=32)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        hidden = int(2 * (4 * self.d_model) / 3)
+        return 256 * ((hidden + 255) // 256)
+
+    @property
+    def tape_dim(self) -> int:
+        return self.tape_channels or 4 * self.n_heads
+
+    def validate(self) -> ModelConfig:
+        def fail(key: str, problem: str, fix: str) -> None:
+            raise ConfigError(f"model.{key}: {problem}; {fix}")
+
+        for key in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            if getattr(self, key) <= 0:
+                fail(key, f"must be positive, got {getattr(self, key)}", "set a positive integer")
+        if self.pe not in POSITIONAL_ENCODINGS:
+            fail("pe", f"unknown positional encoding {self.pe!r}", f"choose one of {', '.join(POSITIONAL_ENCODINGS)}")
+        if self.d_model % self.n_heads:
+            fail(
+                "n_heads",
+                f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}",
+                "choose n_heads dividing d_model (e.g. d_model=768, n_heads=12)",
+            )
+        if self.n_kv_heads is not None and (self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads):
+            fail(
+                "n_kv_heads",
+                f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}",
+                "choose n_kv_heads dividing n_heads (or null for multi-head attention)",
+            )
+        if self.pe in ROTARY_ENCODINGS and self.head_dim % 2:
+            fail(
+                "n_heads",
+                f"pe={self.pe} rotates pairs of dims but the head dim d_model/n_heads={self.head_dim} is odd",
+                "choose d_model and n_heads with an even head dim",
+            )
+        if self.pi_factor <= 0:
+            fail("pi_factor", f"must be > 0, got {self.pi_factor}", "use 1 for no interpolation")
+        if self.rope_theta <= 1:
+            fail("rope_theta", f"must be > 1, got {self.rope_theta}", "use 10000 (Llama) or larger")
+        if self.tape_head_mix not in TAPE_HEAD_MIX:
+            fail("tape_head_mix", f"got {self.tape_head_mix!r}", "choose 'full' or 'gain'")
+        if self.ffn_hidden is not None and self.ffn_hidden <= 0:
+            fail("ffn_hidden", f"must be positive, got {self.ffn_hidden}", "set null for the Llama default")
+        if self.tape_channels is not None and self.tape_channels <= 0:
+            fail("tape_channels", f"must be positive, got {self.tape_channels}", "set null for 4·n_heads")
+        from tapetrain.model.attention import BACKENDS
+
+        if self.attn_backend not in BACKENDS:
+            fail("attn_backend", f"unknown backend {self.attn_backend!r}", f"choose one of {', '.join(BACKENDS)}")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            import difflib
+
+            hints = [
+                f"{k!r} (did you mean {difflib.get_close_matches(k, known, 1)[0]!r}?)"
+                if difflib.get_close_matches(k, known, 1)
+                else repr(k)
+                for k in unknown
+            ]
+            raise ConfigError(f"model: unknown key(s) {', '.join(hints)}; valid keys: {', '.join(sorted(known))}")
+        return cls(**values).validate()

@@ -1,0 +1,62 @@
+"""TAPE's two position-state updates (DESIGN §1).
+
+The state E is (B, M, T, D): per token and head, F = D/2 blocks (c, s) stored rotate-half style as [c ‖ s].
+Both updates only contract over the head axis M (and the token axis, through the attention weights), so they
+commute with any per-frequency rotation of E: that is what keeps TAPE shift- and O(2)-invariant.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tapetrain.model.positions import rotate_pairs
+
+
+def rotate_by_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """x̃ = E^T x blockwise: x (B, M, T, D), state E (B, M, T, D) = [c ‖ s]. For E = RoPE this is RoPE."""
+    half = state.shape[-1] // 2
+    return rotate_pairs(x, state[..., :half], state[..., half:])
+
+
+class TapeHeadMix(nn.Module):
+    """Attention-side update E ← E + (A·E) ×_heads W_A.
+
+    'full': W_A ∈ R^{M×M} mixes heads (the paper). 'gain': a per-head scalar (what the official code realises).
+    Zero-initialised, so a fresh or retrofitted model starts as its RoPE twin.
+    """
+
+    def __init__(self, n_heads: int, mode: str):
+        super().__init__()
+        self.mode = mode
+        shape = (n_heads, n_heads) if mode == "full" else (n_heads,)
+        self.weight = nn.Parameter(torch.zeros(shape))
+
+    def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """state, attended = A·E: (B, M, T, D) -> updated state (B, M, T, D)."""
+        if self.mode == "full":
+            mixed = torch.einsum("bgtd,hg->bhtd", attended, self.weight.to(attended.dtype))
+        else:
+            mixed = attended * self.weight.to(attended.dtype)[None, :, None, None]
+        return state + mixed
+
+
+class TapeMlpUpdate(nn.Module):
+    """MLP-side update E ← E + W_down · (SiLU(W_x · m) ⊙ (W_up · E)), contractions over heads.
+
+    m is the MLP block's output for each token (B, T, C); I = channels (4·M by default). W_down starts at zero
+    (the paper's zero W2); W_x and W_up keep the normal init so W_down receives gradient from step 0.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, channels: int):
+        super().__init__()
+        self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
+        self.up_proj = nn.Linear(n_heads, channels, bias=False)  # W_up: M -> I
+        self.down_proj = nn.Linear(channels, n_heads, bias=False)  # W_down: I -> M
+
+    def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
+        up = torch.einsum("bmtd,im->bitd", state, self.up_proj.weight)  # (B, I, T, D)
+        hidden = up * gate.transpose(1, 2)[..., None]  # (B, I, T, D)
+        return state + torch.einsum("bitd,mi->bmtd", hidden, self.down_proj.weight)
