@@ -1,0 +1,52 @@
+"""The `tapetrain` command: one subcommand per job (DESIGN §3)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_train_parser(subparsers) -> None:
+    parser = subparsers.add_parser("train", help="train from a YAML run config (one process or any launcher rank)")
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. train.steps=20")
+
+    def run(args: argparse.Namespace) -> int:
+        from tapetrain.train.run import train_from_args
+
+        return train_from_args(args.config, args.overrides)
+
+    parser.set_defaults(func=run)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tapetrain", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    from tapetrain.data.cli import add_prepare_parser, add_tokenizer_parser
+    from tapetrain.eval.cli import add_eval_passkey_parser, add_eval_ppl_parser, add_export_parser
+
+    add_tokenizer_parser(subparsers)
+    add_prepare_parser(subparsers)
+    _add_train_parser(subparsers)
+    add_export_parser(subparsers)
+    add_eval_ppl_parser(subparsers)
+    add_eval_passkey_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError, RuntimeError) as err:
+        # Our errors already name the problem and the fix; a traceback would bury that.
+        if logging.getLogger().isEnabledFor(logging.DEBUG):
+            raise
+        print(f"tapetrain {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

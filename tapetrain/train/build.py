@@ -1,0 +1,168 @@
+"""Builds what the trainer needs from a resolved RunConfig: model, DeepSpeed engine, data, resume state."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tapetrain.checkpoint import store
+from tapetrain.errors import ConfigError
+from tapetrain.model import ModelConfig, Transformer
+from tapetrain.train.distributed import DistEnv, barrier
+
+log = logging.getLogger("tapetrain.train")
+
+
+@dataclass
+class Components:
+    engine: object  # deepspeed.DeepSpeedEngine
+    model: Transformer
+    model_config: ModelConfig
+    train_batches: object  # tapetrain.data.stream.BatchIterator
+    make_val_batches: Callable[[], object]
+    has_val: bool
+    start_step: int
+    start_tokens: int
+
+
+def _write_run_files(cfg, ds_config: dict, env: DistEnv) -> None:
+    from tapetrain.config import save_resolved
+
+    run_dir = Path(cfg.run.out_dir)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        store.remove_incomplete(run_dir)
+        save_resolved(cfg, run_dir / "config.yaml")
+        tmp = run_dir / "ds_config.json.tmp"
+        tmp.write_text(json.dumps(ds_config, indent=2))
+        os.replace(tmp, run_dir / "ds_config.json")
+    barrier()
+
+
+def _resume_checkpoint(cfg) -> Path | None:
+    resume = cfg.train.resume
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return store.find_checkpoint(Path(cfg.run.out_dir))
+    path = Path(resume)
+    if not (path / store.STATE_FILE).is_file():
+        raise ConfigError(
+            f"train.resume={resume!r} is not a complete checkpoint directory (no {store.STATE_FILE}); "
+            "point it at RUN_DIR/checkpoints/step_XXXXXXXX or use 'auto'"
+        )
+    return path
+
+
+def _data_spec(sources) -> list[dict]:
+    return [{"path": s.path, "weight": s.weight} for s in sources]
+
+
+def build_components(cfg, env: DistEnv) -> Components:
+    import deepspeed
+
+    from tapetrain.config import build_deepspeed_config
+    from tapetrain.data.stream import BatchIterator, open_dataset
+    from tapetrain.train.optim import apply_trainable, build_optimizer
+    from tapetrain.train.schedule import build_scheduler
+
+    if cfg.train.on_nan == "skip" and cfg.deepspeed.zero_stage == 3:
+        raise ConfigError(
+            "train.on_nan=skip is not supported with deepspeed.zero_stage=3 (parameters are partitioned outside "
+            "forward, so a bad micro-batch cannot be replaced by a zero gradient); use train.on_nan=stop"
+        )
+    ds_config = build_deepspeed_config(cfg, env.world_size)
+    _write_run_files(cfg, ds_config, env)
+
+    model_config = cfg.model.model_config()
+    torch.manual_seed(cfg.run.seed)  # identical init on every rank
+    model = Transformer(model_config)
+    if cfg.model.init_from:
+        from tapetrain.checkpoint.hf_import import load_hf_weights_into
+
+        load_hf_weights_into(model, cfg.model.init_from)
+    apply_trainable(model, cfg.train.trainable)
+
+    checkpoint = _resume_checkpoint(cfg)
+    state = store.read_trainer_state(checkpoint) if checkpoint else None
+    reshard = bool(state) and state["world_size"] != env.world_size and state["zero_stage"] >= 1
+    if reshard:
+        # ZeRO optimizer partitions are tied to the data-parallel size: keep the fp32 weights, step and data
+        # position, and start the optimizer moments afresh.
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
+        model.load_state_dict(weights, strict=False)
+        log.warning(
+            "resuming %s on %d ranks (saved on %d) with ZeRO-%d: weights, step, LR schedule and data position are "
+            "restored; optimizer moments are reset",
+            checkpoint, env.world_size, state["world_size"], state["zero_stage"],
+        )
+
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
+    engine, _, _, _ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+    )
+    start_step, start_tokens = 0, 0
+    seq_len = cfg.data.seq_len
+    if not cfg.data.train:
+        raise ConfigError("data.train is empty; point it at a directory written by `tapetrain prepare`")
+    dataset = open_dataset(
+        _data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=model_config.vocab_size, seed=cfg.run.seed
+    )
+    batch_args = dict(
+        global_batch_size=cfg.train.global_batch_size,
+        micro_batch_size=cfg.train.micro_batch_size,
+        rank=env.rank,
+        world_size=env.world_size,
+    )
+    train_batches = BatchIterator(dataset, seed=cfg.run.seed, **batch_args)
+    if state:
+        if not reshard:
+            engine.load_checkpoint(
+                str(checkpoint.parent), tag=checkpoint.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+        else:
+            for _ in range(state["step"]):
+                scheduler.step()
+        train_batches.load_state_dict(state["data"])
+        store.load_rng(checkpoint, env.rank)
+        start_step, start_tokens = state["step"], state["tokens"]
+        log.info("resumed from %s at step %d", checkpoint, start_step)
+
+    has_val = bool(cfg.data.val)
+    val_dataset = (
+        open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=model_config.vocab_size)
+        if has_val
+        else None
+    )
+
+    def make_val_batches():
+        # The same fixed, unshuffled validation batches at every evaluation.
+        return BatchIterator(
+            val_dataset,
+            global_batch_size=cfg.train.micro_batch_size * env.world_size,
+            micro_batch_size=cfg.train.micro_batch_size,
+            rank=env.rank,
+            world_size=env.world_size,
+            seed=0,
+            shuffle=False,
+        )
+
+    return Components(
+        engine=engine,
+        model=model,
+        model_config=model_config,
+        train_batches=train_batches,
+        make_val_batches=make_val_batches,
+        has_val=has_val,
+        start_step=start_step,
+        start_tokens=start_tokens,
+    )
