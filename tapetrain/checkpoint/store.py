@@ -53,7 +53,9 @@ def find_checkpoint(run_dir: Path, step: int | None = None) -> Path | None:
         if found_step == step:
             return path
     available = ", ".join(str(s) for s, _ in checkpoints) or "none"
-    raise FileNotFoundError(f"no complete checkpoint for step {step} in {run_dir}/{CHECKPOINTS} (available: {available})")
+    raise FileNotFoundError(
+        f"no complete checkpoint for step {step} in {run_dir}/{CHECKPOINTS} (available: {available})"
+    )
 
 
 def remove_incomplete(run_dir: Path) -> None:

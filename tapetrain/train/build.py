@@ -102,7 +102,10 @@ def build_components(cfg, env: DistEnv) -> Components:
         log.warning(
             "resuming %s on %d ranks (saved on %d) with ZeRO-%d: weights, step, LR schedule and data position are "
             "restored; optimizer moments are reset",
-            checkpoint, env.world_size, state["world_size"], state["zero_stage"],
+            checkpoint,
+            env.world_size,
+            state["world_size"],
+            state["zero_stage"],
         )
 
     optimizer = build_optimizer(model, cfg.optim)

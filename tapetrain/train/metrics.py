@@ -71,7 +71,9 @@ class MetricsLogger:
         if self.writer is not None:
             for key, value in record.items():
                 if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                    self.writer.add_scalar(f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value, step)
+                    self.writer.add_scalar(
+                        f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value, step
+                    )
             self.writer.flush()
         done = step - self.start_step
         elapsed = time.perf_counter() - self.started
@@ -79,9 +81,15 @@ class MetricsLogger:
         if "loss" in record:
             log.info(
                 "step %d/%d | loss %s | lr %s | grad_norm %s | %s tok/s | mfu %s | mem %s GB | eta %s",
-                step, self.total_steps, _fmt(record["loss"], ".4f"), _fmt(record["lr"], ".3g"),
-                _fmt(record.get("grad_norm"), ".3g"), _fmt(record.get("tokens_per_s"), ".0f"),
-                _fmt(record.get("mfu"), ".1%"), _fmt(record.get("mem_gb"), ".2f"), _fmt_duration(eta),
+                step,
+                self.total_steps,
+                _fmt(record["loss"], ".4f"),
+                _fmt(record["lr"], ".3g"),
+                _fmt(record.get("grad_norm"), ".3g"),
+                _fmt(record.get("tokens_per_s"), ".0f"),
+                _fmt(record.get("mfu"), ".1%"),
+                _fmt(record.get("mem_gb"), ".2f"),
+                _fmt_duration(eta),
             )
         else:
             log.info("step %d | %s", step, " ".join(f"{k} {_fmt(v, '.4g')}" for k, v in record.items() if k != "step"))

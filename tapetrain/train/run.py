@@ -22,8 +22,11 @@ def train_from_args(config_path: str, overrides: list[str]) -> int:
     components = build_components(cfg, env)
     log.info(
         "model: %s pe=%s, %.2fM parameters (%.2fM trainable); %d rank(s), grad accumulation %d",
-        cfg.model.preset or "custom", cfg.model.pe, components.model.num_params() / 1e6,
-        components.model.num_params(trainable_only=True) / 1e6, env.world_size,
+        cfg.model.preset or "custom",
+        cfg.model.pe,
+        components.model.num_params() / 1e6,
+        components.model.num_params(trainable_only=True) / 1e6,
+        env.world_size,
         components.train_batches.grad_accum_steps,
     )
     return Trainer(cfg, env, components).fit()

@@ -153,7 +153,13 @@ class Trainer:
             "seed": self.cfg.run.seed,
         }
         store.save_checkpoint(
-            self.engine, self.run_dir, self.step, state, self.c.model_config.to_dict(), self.env, self.cfg.train.keep_last
+            self.engine,
+            self.run_dir,
+            self.step,
+            state,
+            self.c.model_config.to_dict(),
+            self.env,
+            self.cfg.train.keep_last,
         )
 
     # ---- the loop --------------------------------------------------------------------------------------------------

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Train on several nodes listed in a DeepSpeed hostfile ("host slots=GPUS" per line).
+#
+#   launch/multi_node.sh HOSTFILE CONFIG.yaml [KEY=VALUE ...]
+#
+# By default this is run once, on the first host, and DeepSpeed starts the other nodes over passwordless ssh
+# (pdsh). Without ssh, run it once on every node with NODE_RANK set (0 on the first host of the hostfile):
+#   NODE_RANK=1 MASTER_ADDR=node0 launch/multi_node.sh hostfile configs/x.yaml
+#
+# Environment:
+#   MASTER_ADDR  address of the first node (default: the first host in HOSTFILE)
+#   MASTER_PORT  rendezvous port (default 29500)
+#   NODE_RANK    set to launch this node only (adds --no_ssh --node_rank)
+#   LAUNCHER     DeepSpeed multi-node backend when using ssh: pdsh (default), openmpi, mvapich, slurm, ...
+#   DS_ARGS      extra launcher flags
+set -euo pipefail
+
+if [[ $# -lt 2 || $1 == -h || $1 == --help ]]; then
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    exit 2
+fi
+hostfile=$1
+config=$2
+shift 2
+for f in "$hostfile" "$config"; do
+    if [[ ! -f $f ]]; then
+        echo "error: file not found: $f" >&2
+        exit 2
+    fi
+done
+
+first_host=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$hostfile")
+if [[ -z $first_host ]]; then
+    echo "error: no hosts in $hostfile (expected lines like 'node0 slots=8')" >&2
+    exit 2
+fi
+
+launcher=(deepspeed --hostfile "$hostfile" --master_addr "${MASTER_ADDR:-$first_host}"
+    --master_port "${MASTER_PORT:-29500}")
+if [[ -n ${NODE_RANK:-} ]]; then
+    launcher+=(--no_ssh --node_rank "$NODE_RANK")
+else
+    launcher+=(--launcher "${LAUNCHER:-pdsh}")
+fi
+# shellcheck disable=SC2206  # DS_ARGS is deliberately word-split
+launcher+=(${DS_ARGS:-})
+
+exec "${launcher[@]}" --module tapetrain.train "$config" "$@"

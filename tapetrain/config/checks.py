@@ -1,0 +1,270 @@
+"""Cross-field validation: values that type-check but cannot work together; messages name key and fix."""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import TYPE_CHECKING
+
+from tapetrain.config.typed import Locate, where
+from tapetrain.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tapetrain.config.run_config import RunConfig
+    from tapetrain.config.sections import TrainSection
+
+# DeepSpeed JSON keys that tapetrain derives itself -> the tapetrain key to set instead.
+RESERVED_DEEPSPEED_KEYS = {
+    "train_batch_size": "train.global_batch_size",
+    "train_micro_batch_size_per_gpu": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.global_batch_size (accumulation is derived)",
+    "gradient_clipping": "train.grad_clip",
+    "optimizer": "optim.* (tapetrain passes its own AdamW)",
+    "scheduler": "optim.schedule (tapetrain passes its own LR schedule)",
+    "bfloat16": "deepspeed.precision",
+}
+RESERVED_NESTED_KEYS = {
+    ("bf16", "enabled"): "deepspeed.precision",
+    ("fp16", "enabled"): "deepspeed.precision",
+    ("zero_optimization", "stage"): "deepspeed.zero_stage",
+}
+PRETRAINED_PE_MODES = ("tape", "tape+embed+norm")
+
+
+class _Checker:
+    def __init__(self, locate: Locate):
+        self.locate = locate
+
+    def fail(self, key: str, problem: str, fix: str) -> None:
+        raise ConfigError(f"{key}: {problem}{where(self.locate, key)}; {fix}")
+
+    def positive(self, key: str, value: float | None, fix: str = "set a positive number") -> None:
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            self.fail(key, f"must be > 0, got {value}", fix)
+
+    def non_negative(self, key: str, value: float | None, fix: str = "set 0 or a positive number") -> None:
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            self.fail(key, f"must be >= 0, got {value}", fix)
+
+    def fraction(self, key: str, value: float | None, *, low_open: bool, high_open: bool) -> None:
+        if value is None:
+            return
+        low_ok = value > 0 if low_open else value >= 0
+        high_ok = value < 1 if high_open else value <= 1
+        if not (low_ok and high_ok):
+            interval = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
+            self.fail(key, f"must be in {interval}, got {value}", f"set a fraction in {interval}")
+
+
+def nearest_multiples(value: int, unit: int) -> list[int]:
+    """Positive multiples of `unit` around `value`, closest first."""
+    lower = (value // unit) * unit
+    candidates = [c for c in (lower, lower + unit) if c > 0]
+    return sorted(candidates, key=lambda c: (abs(c - value), c))
+
+
+def grad_accum_steps(train: TrainSection, world_size: int) -> int:
+    """global_batch_size / (micro_batch_size × world_size), or a ConfigError naming keys and a valid batch."""
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world size must be a positive integer, got {world_size!r}; check WORLD_SIZE")
+    unit = train.micro_batch_size * world_size
+    global_batch = unit if train.global_batch_size is None else train.global_batch_size
+    if global_batch % unit:
+        options = nearest_multiples(global_batch, unit)
+        raise ConfigError(
+            f"train.global_batch_size={global_batch} is not divisible by "
+            f"train.micro_batch_size × world size = {train.micro_batch_size} × {world_size} = {unit}; "
+            f"use train.global_batch_size={options[0]}"
+            + (f" (or {options[1]})" if len(options) > 1 else "")
+            + ", or change train.micro_batch_size"
+        )
+    return global_batch // unit
+
+
+def check_run_config(cfg: RunConfig, locate: Locate) -> None:
+    """Raise ConfigError for the first impossible combination of values in a loaded config."""
+    c = _Checker(locate)
+    _check_run(cfg, c)
+    _check_model(cfg, c)
+    _check_data(cfg, c)
+    _check_train(cfg, c)
+    _check_optim(cfg, c)
+    _check_deepspeed(cfg, c)
+    _check_logging(cfg, c)
+
+
+def _check_run(cfg: RunConfig, c: _Checker) -> None:
+    if not cfg.run.out_dir.strip():
+        c.fail("run.out_dir", "is empty", "set a directory, e.g. runs/my-run")
+    c.non_negative("run.seed", cfg.run.seed, "set a non-negative integer seed")
+
+
+def _check_model(cfg: RunConfig, c: _Checker) -> None:
+    try:
+        cfg.model.validate()
+    except ConfigError as err:
+        match = re.match(r"(model\.\w+)", str(err))
+        raise ConfigError(f"{err}{where(c.locate, match.group(1)) if match else ''}") from None
+    if cfg.model.init_from is not None and not cfg.model.init_from.strip():
+        c.fail("model.init_from", "is an empty string", "set a Hugging Face Llama directory or null")
+
+
+def _check_data(cfg: RunConfig, c: _Checker) -> None:
+    data = cfg.data
+    if not data.train:
+        c.fail(
+            "data.train",
+            "no training data given",
+            "set data.train to a shard directory written by `tapetrain prepare`",
+        )
+    for name in ("train", "val"):
+        for i, source in enumerate(getattr(data, name)):
+            if not source.path.strip():
+                c.fail(f"data.{name}[{i}].path", "is empty", "set the shard directory")
+            c.positive(f"data.{name}[{i}].weight", source.weight, "set a positive sampling weight")
+    assert data.seq_len is not None  # filled in by the loader
+    c.positive("data.seq_len", data.seq_len, "set the sequence length in tokens, e.g. 1024")
+    if data.seq_len > cfg.model.max_seq_len:
+        c.fail(
+            "data.seq_len",
+            f"{data.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len} (the training context length)",
+            f"lower data.seq_len or raise model.max_seq_len to {data.seq_len}",
+        )
+    c.non_negative("data.num_workers", data.num_workers, "set 0 (read in process) or a worker count")
+
+
+def _check_train(cfg: RunConfig, c: _Checker) -> None:
+    t = cfg.train
+    c.positive("train.steps", t.steps, "set the number of optimizer steps, e.g. train.steps=1000")
+    c.positive("train.micro_batch_size", t.micro_batch_size, "set the sequences per rank per micro step")
+    c.positive("train.global_batch_size", t.global_batch_size, "set a positive batch size or null")
+    if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
+        options = nearest_multiples(t.global_batch_size, t.micro_batch_size)
+        c.fail(
+            "train.global_batch_size",
+            f"{t.global_batch_size} is not a multiple of train.micro_batch_size={t.micro_batch_size}",
+            f"use train.global_batch_size={options[0]}, or change train.micro_batch_size",
+        )
+    c.non_negative("train.save_interval", t.save_interval, "set 0 to save only at the last step")
+    c.positive("train.log_interval", t.log_interval, "set a logging interval in steps, e.g. 10")
+    c.non_negative("train.eval_interval", t.eval_interval, "set 0 to disable evaluation")
+    if t.eval_interval and not cfg.data.val:
+        c.fail(
+            "train.eval_interval",
+            f"is {t.eval_interval} but data.val is empty",
+            "set data.val or train.eval_interval=0",
+        )
+    c.positive("train.eval_steps", t.eval_steps, "set the micro batches per evaluation, e.g. 50")
+    c.non_negative("train.keep_last", t.keep_last, "set 0 to keep every checkpoint")
+    if not t.resume.strip():
+        c.fail("train.resume", "is empty", "use 'auto', 'none' or a checkpoint directory")
+    if t.trainable in PRETRAINED_PE_MODES and cfg.model.pe != "tape":
+        c.fail(
+            "train.trainable",
+            f"{t.trainable!r} trains TAPE parameters but model.pe={cfg.model.pe!r} has none",
+            "set model.pe=tape or train.trainable=all",
+        )
+    c.non_negative("train.max_nan_skips", t.max_nan_skips, "set how many skipped steps in a row to tolerate")
+    c.non_negative("train.grad_clip", t.grad_clip, "set 0 to disable clipping, e.g. 1.0")
+    c.non_negative(
+        "train.random_position_offset", t.random_position_offset, "set 0 to disable random offsets"
+    )
+
+
+def _check_optim(cfg: RunConfig, c: _Checker) -> None:
+    o, steps = cfg.optim, cfg.train.steps
+    c.positive("optim.lr", o.lr, "set a peak learning rate, e.g. 3e-4")
+    c.non_negative("optim.min_lr", o.min_lr, "set a final learning rate, e.g. 0 or lr/10")
+    if o.min_lr > o.lr:
+        c.fail("optim.min_lr", f"{o.min_lr} is above optim.lr={o.lr}", "set optim.min_lr <= optim.lr")
+    c.non_negative("optim.weight_decay", o.weight_decay, "set 0 to disable weight decay, e.g. 0.1")
+    for i, beta in enumerate(o.betas):
+        c.fraction(f"optim.betas[{i}]", beta, low_open=False, high_open=True)
+    c.positive("optim.eps", o.eps, "set a small positive epsilon, e.g. 1e-8")
+    if o.warmup_steps is not None and o.warmup_ratio is not None:
+        c.fail(
+            "optim.warmup_ratio",
+            f"both optim.warmup_steps={o.warmup_steps} and optim.warmup_ratio={o.warmup_ratio} are set",
+            "set one of them to null",
+        )
+    c.non_negative("optim.warmup_steps", o.warmup_steps, "set a number of warmup steps or null")
+    c.fraction("optim.warmup_ratio", o.warmup_ratio, low_open=False, high_open=True)
+    warmup = o.warmup_for(steps)
+    if warmup >= steps:
+        key = "optim.warmup_steps" if o.warmup_steps is not None else "optim.warmup_ratio"
+        c.fail(key, f"warmup of {warmup} steps is not shorter than train.steps={steps}", "shorten the warmup")
+    c.fraction("optim.decay_ratio", o.decay_ratio, low_open=True, high_open=False)
+    if o.schedule == "wsd":
+        decay = o.decay_steps_for(steps)
+        if decay < 1:
+            c.fail(
+                "optim.decay_ratio",
+                f"gives {decay} decay steps of train.steps={steps}",
+                "raise optim.decay_ratio",
+            )
+        if warmup + decay > steps:
+            c.fail(
+                "optim.decay_ratio",
+                f"warmup ({warmup}) + decay ({decay}) steps exceed train.steps={steps}",
+                "lower optim.decay_ratio or the warmup",
+            )
+    c.positive("optim.power", o.power, "set a positive exponent, e.g. 1.0")
+
+
+def _check_deepspeed(cfg: RunConfig, c: _Checker) -> None:
+    d = cfg.deepspeed
+    if d.zero_stage not in (0, 1, 2, 3):
+        c.fail(
+            "deepspeed.zero_stage", f"must be 0, 1, 2 or 3, got {d.zero_stage}", "pick a ZeRO stage, e.g. 2"
+        )
+    if d.offload_params and d.zero_stage != 3:
+        c.fail(
+            "deepspeed.offload_params",
+            f"parameter offload needs ZeRO stage 3 but deepspeed.zero_stage={d.zero_stage}",
+            "set deepspeed.zero_stage=3 or deepspeed.offload_params=false",
+        )
+    if d.offload_optimizer and d.zero_stage == 0:
+        c.fail(
+            "deepspeed.offload_optimizer",
+            "optimizer offload needs ZeRO stage >= 1 but deepspeed.zero_stage=0",
+            "set deepspeed.zero_stage to 1, 2 or 3, or deepspeed.offload_optimizer=false",
+        )
+    for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
+        c.positive(f"deepspeed.{key}", getattr(d, key), "set a positive element count, e.g. 5e8")
+    for key in (
+        "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters",
+        "stage3_max_reuse_distance",
+    ):
+        c.non_negative(f"deepspeed.{key}", getattr(d, key), "set a non-negative element count")
+    c.non_negative("deepspeed.loss_scale", d.loss_scale, "set 0 for dynamic loss scaling")
+    c.positive("deepspeed.initial_scale_power", d.initial_scale_power, "use e.g. 16")
+    for key, ours in RESERVED_DEEPSPEED_KEYS.items():
+        if key in d.extra:
+            c.fail(f"deepspeed.extra.{key}", "is derived by tapetrain", f"set {ours} instead")
+    for (outer, inner), ours in RESERVED_NESTED_KEYS.items():
+        if isinstance(d.extra.get(outer), dict) and inner in d.extra[outer]:
+            c.fail(f"deepspeed.extra.{outer}.{inner}", "is derived by tapetrain", f"set {ours} instead")
+    for key, value in d.extra.items():
+        if key in ("zero_optimization", "bf16", "fp16") and not isinstance(value, dict):
+            c.fail(
+                f"deepspeed.extra.{key}",
+                f"must be a mapping, got {value!r}",
+                "write it as a mapping of DeepSpeed keys",
+            )
+
+
+def _check_logging(cfg: RunConfig, c: _Checker) -> None:
+    c.positive("logging.console_interval", cfg.logging.console_interval, "set a step interval or null")
+    c.positive("logging.peak_tflops", cfg.logging.peak_tflops, "set the device's peak TFLOP/s or null")
+
+
+def check_for_world(cfg: RunConfig, world_size: int, device_type: str | None) -> int:
+    """Checks that need the world size / device type; returns the gradient accumulation steps."""
+    accum = grad_accum_steps(cfg.train, world_size)
+    if device_type == "cpu" and cfg.deepspeed.precision != "fp32":
+        raise ConfigError(
+            f"deepspeed.precision={cfg.deepspeed.precision} is not supported on CPU (no GPU found); "
+            "set deepspeed.precision=fp32"
+        )
+    return accum

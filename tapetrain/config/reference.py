@@ -1,0 +1,77 @@
+"""Generate the configuration reference (markdown) from the config dataclasses' field help texts.
+
+python -m tapetrain.config.reference > docs/config-reference.md
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from typing import Any
+
+import yaml
+
+from tapetrain.config.fields import field_help
+from tapetrain.config.run_config import RunConfig
+from tapetrain.config.sections import DataSource, ModelSection
+from tapetrain.config.typed import type_name
+
+INTRO = """\
+A run is one YAML file with the sections below; `tapetrain train CONFIG.yaml KEY=VALUE ...` overrides any
+key with a dotted name (`train.steps=20`, `data.train=[a, b]`; values are parsed as YAML). Unknown keys are
+errors. A file may start with `base: other.yaml` (or a list of files, paths relative to the file): the bases
+are loaded first and this file's keys are deep-merged over them (mappings merge, other values replace).
+`model.preset` fills every model key from a named shape; model keys written next to it override the preset.
+"""
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        value: Any = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+        value = f.default_factory()
+    else:
+        return "required"
+    if isinstance(value, tuple):
+        value = list(value)
+    text = yaml.safe_dump(value, default_flow_style=True, width=1000).strip()
+    return text.removesuffix("\n...").removesuffix("...").strip()
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _ordered_fields(cls: type) -> list[dataclasses.Field]:
+    fields = list(dataclasses.fields(cls))
+    if cls is ModelSection:  # run-level model keys first, then the architecture
+        own = [f for f in fields if f.name in ("preset", "init_from")]
+        fields = own + [f for f in fields if f.name not in ("preset", "init_from")]
+    return fields
+
+
+def render_section(name: str, cls: type) -> str:
+    """One markdown table: key, type, default, description."""
+    hints = typing.get_type_hints(cls)
+    doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+    lines = [f"### `{name}`", "", doc, "", "| Key | Type | Default | Description |", "|---|---|---|---|"]
+    for f in _ordered_fields(cls):
+        shown = f.metadata.get("type") or type_name(hints[f.name])
+        lines.append(
+            f"| `{name}.{f.name}` | {_cell(shown)} | `{_cell(_default(f))}` | {_cell(field_help(f))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def render_reference() -> str:
+    """The full configuration reference: an introduction and one table per section."""
+    hints = typing.get_type_hints(RunConfig)
+    parts = ["## Configuration reference", "", INTRO]
+    for f in dataclasses.fields(RunConfig):
+        parts.append(render_section(f.name, hints[f.name]))
+    parts.append(render_section("data.train[i]", DataSource))
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(render_reference())

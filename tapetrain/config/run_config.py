@@ -1,0 +1,174 @@
+"""RunConfig: one YAML file (+ `base:` includes + KEY=VALUE overrides) -> validated, typed sections.
+
+cfg = load_run_config("configs/tiny-cpu.yaml", ["train.steps=20"])
+cfg = cfg.resolve(world_size=dist.world_size, device_type="cpu")   # batch-size / device checks
+save_resolved(cfg, f"{cfg.run.out_dir}/config.yaml")              # loads back to an equal RunConfig
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+
+import yaml
+
+from tapetrain.config.checks import check_for_world, check_run_config, grad_accum_steps
+from tapetrain.config.sections import (
+    DataSection,
+    DeepSpeedSection,
+    LoggingSection,
+    ModelSection,
+    OptimSection,
+    RunSection,
+    TrainSection,
+)
+from tapetrain.config.typed import Locate, build, convert, suggest, to_plain, where
+from tapetrain.config.yaml_io import apply_overrides, locator, read_with_bases
+from tapetrain.errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs; the YAML file has one mapping per field below."""
+
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    logging: LoggingSection = field(default_factory=LoggingSection)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping, locate: Locate | None = None) -> RunConfig:
+        """Typed, validated config from plain data (as read from YAML); `locate` maps keys to 'file:line'."""
+        locate = locate or (lambda key: "")
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"a run config must be a mapping of sections, got {type(raw).__name__}")
+        raw = dict(raw)
+        for name in SECTION_NAMES:
+            if name in raw and raw[name] is None:
+                raw[name] = {}  # an empty section ("train:" with nothing under it)
+            if name in raw and not isinstance(raw[name], Mapping):
+                raise ConfigError(
+                    f"{name}: expected a mapping of keys, got {raw[name]!r}{where(locate, name)}; "
+                    f"write it as '{name}:' followed by indented key: value lines"
+                )
+        if "model" in raw:
+            raw["model"] = _expand_preset(raw["model"], locate)
+        unknown = [key for key in raw if key not in SECTION_NAMES]
+        if unknown:
+            key = str(unknown[0])
+            hint = suggest(key, list(SECTION_NAMES))
+            moved = _section_of(key) if "did you mean" not in hint else None
+            if moved:
+                hint = f"; did you mean {moved!r}? (keys go under their section)"
+            raise ConfigError(f"unknown top-level key {key!r}{where(locate, key)}{hint}")
+        sections = {
+            name: build(tp, raw.get(name, {}), name, locate, elsewhere=_section_of)
+            for name, tp in _section_types().items()
+        }
+        cfg = cls(**sections)
+        if cfg.data.seq_len is None:
+            cfg.data.seq_len = cfg.model.max_seq_len
+        check_run_config(cfg, locate)
+        return cfg
+
+    def to_dict(self) -> dict:
+        """Plain nested dicts/lists (YAML-ready); `from_dict(to_dict())` gives an equal config.
+
+        The model section lists `preset` and `init_from` first and then every ModelConfig field explicitly.
+        """
+        out = to_plain(self)
+        model = out["model"]
+        out["model"] = {"preset": model.pop("preset"), "init_from": model.pop("init_from"), **model}
+        return out
+
+    def resolve(self, world_size: int, device_type: str | None = None) -> RunConfig:
+        """Checks that need the data-parallel world size (and device type: 'cpu' or 'cuda'); returns a copy
+        with train.global_batch_size filled in (null -> micro_batch_size × world_size)."""
+        check_for_world(self, world_size, device_type)
+        global_batch = self.train.global_batch_size or self.train.micro_batch_size * world_size
+        return replace(self, train=replace(self.train, global_batch_size=global_batch))
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        """Micro steps per optimizer step on each rank."""
+        return grad_accum_steps(self.train, world_size)
+
+    def global_batch_size(self, world_size: int) -> int:
+        """Sequences per optimizer step over all ranks."""
+        return self.train.micro_batch_size * world_size * self.grad_accum_steps(world_size)
+
+    def tokens_per_step(self, world_size: int) -> int:
+        """Training tokens per optimizer step over all ranks."""
+        assert self.data.seq_len is not None
+        return self.global_batch_size(world_size) * self.data.seq_len
+
+
+SECTION_NAMES = tuple(f.name for f in dataclasses.fields(RunConfig))
+
+
+def _section_types() -> dict[str, type]:
+    hints = typing.get_type_hints(RunConfig)
+    return {name: hints[name] for name in SECTION_NAMES}
+
+
+def _section_of(name: str) -> str | None:
+    """'optim.lr' for 'lr': the section that owns a key written in the wrong place (or at the top level)."""
+    for section, cls in _section_types().items():
+        if name in {f.name for f in dataclasses.fields(cls)}:
+            return f"{section}.{name}"
+    return None
+
+
+def _expand_preset(model: Mapping, locate: Locate) -> dict:
+    """`preset: NAME` + overrides -> the preset's ModelConfig values updated with the keys written."""
+    model = dict(model)
+    preset = model.get("preset")
+    if preset is None:
+        return model
+    convert(preset, str, "model.preset", locate)
+    from tapetrain.model.presets import get_preset
+
+    try:
+        values = get_preset(preset)
+    except ConfigError as err:
+        raise ConfigError(f"{err}{where(locate, 'model.preset')}") from None
+    return {**values, **model}
+
+
+def load_run_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
+    """Load, merge `base:` includes, apply KEY=VALUE overrides, type-check and validate a run config."""
+    data, locations = read_with_bases(str(path))
+    data = apply_overrides(data, list(overrides), locations)
+    return RunConfig.from_dict(data, locator(locations))
+
+
+def dump_run_config(cfg: RunConfig) -> str:
+    """The config as YAML text (every key explicit)."""
+    header = "# Resolved tapetrain run config (generated; load with tapetrain.config.load_run_config).\n"
+    return header + yaml.safe_dump(
+        cfg.to_dict(), sort_keys=False, default_flow_style=False, allow_unicode=True
+    )
+
+
+def save_resolved(cfg: RunConfig, path: str) -> None:
+    """Write the config as YAML atomically (temp file in the same directory + os.replace)."""
+    path = str(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".yaml.tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(dump_run_config(cfg))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise

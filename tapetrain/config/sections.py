@@ -1,0 +1,254 @@
+"""The sections of a run config, one dataclass each. Every field's `help` feeds the generated reference.
+
+Conventions: `null` in YAML is Python `None`; "0 = off" is spelled out per field; `data.seq_len: null`
+(= model.max_seq_len) is filled in by the loader so that a loaded config is explicit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Literal
+
+from tapetrain.config.fields import option
+from tapetrain.model.config import ModelConfig
+
+Schedule = Literal["cosine", "linear", "polynomial", "constant", "wsd"]
+Precision = Literal["fp32", "bf16", "fp16"]
+Trainable = Literal["all", "tape", "tape+embed+norm"]
+OnNan = Literal["skip", "stop"]
+
+
+@dataclass
+class RunSection:
+    """Where the run writes and how it is seeded."""
+
+    out_dir: str = option(
+        "runs/default",
+        "Run directory: resolved config.yaml, ds_config.json, checkpoints/, tensorboard/, metrics.jsonl.",
+    )
+    seed: int = option(
+        0, "Seed of model init, data order and random position offsets (same seed = same run)."
+    )
+    name: str | None = option(
+        None, "Run name shown in logs and TensorBoard (null = the last part of out_dir)."
+    )
+
+
+@dataclass
+class ModelSection(ModelConfig):
+    """The model: a ModelConfig plus where its values and weights come from.
+
+    `preset` fills every ModelConfig field from `tapetrain.model.presets`; keys given next to it override the
+    preset. Use `model_config()` (or `to_dict()`, which omits `preset`/`init_from`) to hand the architecture
+    to model code.
+    """
+
+    preset: str | None = option(
+        None, "Named model shape to start from (tiny, paper-155m, llama2-7b); other model keys override it."
+    )
+    init_from: str | None = option(
+        None, "Hugging Face Llama checkpoint directory to initialise the weights from (null = random init)."
+    )
+
+    def model_config(self) -> ModelConfig:
+        """The architecture alone, as the plain ModelConfig that model code expects."""
+        return ModelConfig(**{f.name: getattr(self, f.name) for f in fields(ModelConfig)})
+
+    def to_dict(self) -> dict:
+        """ModelConfig fields only, so that `ModelConfig.from_dict(section.to_dict())` works."""
+        return self.model_config().to_dict()
+
+
+@dataclass
+class DataSource:
+    """One token-shard directory (written by `tapetrain prepare`) and its sampling weight."""
+
+    path: str = option(help="Shard directory (or manifest) written by `tapetrain prepare`.")
+    weight: float = option(1.0, "Relative sampling weight when mixing several sources.")
+
+
+def _sources(value: Any) -> Any:
+    """YAML shorthand -> list of {path, weight}: 'dir' | ['a', 'b'] | [{path: a, weight: 2}, ...] | null."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [{"path": value}]
+    if isinstance(value, list):
+        return [{"path": item} if isinstance(item, str) else item for item in value]
+    return value  # the type check reports it
+
+
+@dataclass
+class DataSection:
+    """Training and validation token streams."""
+
+    train: list[DataSource] = option(
+        [],
+        "Training shards: a directory, a list of directories, or a list of {path, weight} to mix sources.",
+        shown_type="path or list",
+    )
+    val: list[DataSource] = option(
+        [],
+        "Validation shards, same forms as data.train (empty = no evaluation during training).",
+        shown_type="path, list or null",
+    )
+    seq_len: int | None = option(None, "Tokens per training sequence (null = model.max_seq_len).")
+    tokenizer: str | None = option(
+        None, "SentencePiece model used to write the shards; checked against the shard manifest if given."
+    )
+    num_workers: int = option(1, "Background reader workers per rank (0 = read in the training process).")
+
+    @staticmethod
+    def normalize_raw(raw: dict) -> dict:
+        """Accept the YAML shorthands of data.train / data.val before type checking."""
+        out = dict(raw)
+        for key in ("train", "val"):
+            if key in out:
+                out[key] = _sources(out[key])
+        return out
+
+
+@dataclass
+class TrainSection:
+    """Steps, batch sizes, intervals and what to do when things go wrong."""
+
+    steps: int = option(1000, "Optimizer steps to train for (the LR schedule spans exactly these).")
+    micro_batch_size: int = option(1, "Sequences per rank per forward/backward (micro step).")
+    global_batch_size: int | None = option(
+        None,
+        "Sequences per optimizer step over all ranks; a multiple of micro_batch_size × world size "
+        "(gradient accumulation is derived). null = micro_batch_size × world size.",
+    )
+    save_interval: int = option(
+        1000, "Checkpoint every N steps (the last step is always saved; 0 = only it)."
+    )
+    log_interval: int = option(10, "Write metrics.jsonl and TensorBoard every N steps.")
+    eval_interval: int = option(0, "Evaluate on data.val every N steps (0 = never).")
+    eval_steps: int = option(50, "Micro batches per rank in one evaluation.")
+    keep_last: int = option(3, "Keep the newest K checkpoints, deleting older ones (0 = keep all).")
+    resume: str = option(
+        "auto",
+        "'auto' = continue from the newest checkpoint in run.out_dir if any; 'none' = start fresh; "
+        "or a checkpoint directory to start from.",
+    )
+    trainable: Trainable = option(
+        "all",
+        "Parameters to train: all; tape (TAPE/positional parameters only); tape+embed+norm (plus embeddings "
+        "and norms, as LongLoRA). Others are frozen.",
+    )
+    on_nan: OnNan = option(
+        "stop", "Non-finite loss or gradient: 'stop' with an error, or 'skip' the step (see max_nan_skips)."
+    )
+    max_nan_skips: int = option(10, "With on_nan=skip, stop after this many skipped steps in a row.")
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this (0 = no clipping).")
+    random_position_offset: int = option(
+        0, "Add a random offset in [0, N] to each sequence's positions while training (0 = off)."
+    )
+
+
+@dataclass
+class OptimSection:
+    """AdamW and its learning-rate schedule (ours, not DeepSpeed's)."""
+
+    lr: float = option(3e-4, "Peak learning rate (reached at the end of warmup).")
+    min_lr: float = option(0.0, "Learning rate at the end of the decay (must be ≤ lr).")
+    weight_decay: float = option(
+        0.1, "AdamW decoupled weight decay, applied to ≥2-D weights except embeddings."
+    )
+    betas: tuple[float, float] = option((0.9, 0.95), "AdamW (beta1, beta2).")
+    eps: float = option(1e-8, "AdamW epsilon.")
+    schedule: Schedule = option(
+        "cosine",
+        "Decay after warmup: cosine, linear or polynomial (to min_lr), constant, or wsd "
+        "(warmup-stable-decay: constant, then linear to min_lr over the last decay_ratio of steps).",
+    )
+    warmup_steps: int | None = option(
+        None, "Linear warmup steps (set at most one of warmup_steps / warmup_ratio; neither = no warmup)."
+    )
+    warmup_ratio: float | None = option(None, "Warmup as a fraction of train.steps (rounded to whole steps).")
+    decay_ratio: float = option(0.1, "wsd: fraction of train.steps spent decaying at the end.")
+    power: float = option(1.0, "polynomial: exponent of the decay (1 = linear).")
+
+    def warmup_for(self, total_steps: int) -> int:
+        """Warmup length in steps for a run of `total_steps` steps."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        if self.warmup_ratio is not None:
+            return int(round(self.warmup_ratio * total_steps))
+        return 0
+
+    def decay_steps_for(self, total_steps: int) -> int:
+        """wsd: length of the final decay phase in steps."""
+        return int(round(self.decay_ratio * total_steps))
+
+
+@dataclass
+class DeepSpeedSection:
+    """DeepSpeed engine settings; `build_deepspeed_config` turns them into DeepSpeed's JSON."""
+
+    zero_stage: int = option(
+        2,
+        "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer state, 2 = + gradients, 3 = + parameters.",
+    )
+    precision: Precision = option(
+        "bf16", "Training precision: fp32, bf16 (A100/H100) or fp16 (dynamic loss scaling). CPU needs fp32."
+    )
+    offload_optimizer: bool = option(
+        False, "ZeRO-Offload: keep optimizer state and the step on the CPU (stage ≥ 1)."
+    )
+    offload_params: bool = option(
+        False, "ZeRO-Infinity: keep parameters on the CPU between uses (stage 3 only)."
+    )
+    pin_memory: bool = option(
+        True, "Pin the CPU buffers used by offloading (faster copies, more host memory)."
+    )
+    overlap_comm: bool | None = option(
+        None, "Overlap gradient reduction with backward (null = DeepSpeed's default: on for stage 3)."
+    )
+    contiguous_gradients: bool = option(
+        True, "Copy gradients into one buffer as they are produced (less fragmentation)."
+    )
+    reduce_scatter: bool = option(
+        True, "Average gradients with reduce-scatter instead of all-reduce (stage ≥ 2)."
+    )
+    reduce_bucket_size: int = option(
+        500_000_000, "Elements reduced at a time (memory vs. communication efficiency)."
+    )
+    allgather_bucket_size: int = option(
+        500_000_000, "Elements all-gathered at a time after the step (stages 1-2)."
+    )
+    stage3_prefetch_bucket_size: int = option(50_000_000, "Stage 3: parameter elements fetched ahead of use.")
+    stage3_param_persistence_threshold: int = option(
+        100_000, "Stage 3: parameters smaller than this many elements stay unpartitioned."
+    )
+    stage3_max_live_parameters: int = option(
+        1_000_000_000, "Stage 3: most parameter elements resident on a rank before releasing."
+    )
+    stage3_max_reuse_distance: int = option(
+        1_000_000_000, "Stage 3: keep a parameter if it is reused within this many parameter elements."
+    )
+    stage3_gather_16bit_weights_on_model_save: bool = option(
+        False, "Stage 3: also save consolidated 16-bit weights with each checkpoint (slow for big models)."
+    )
+    loss_scale: float = option(0.0, "fp16 only: static loss scale (0 = dynamic loss scaling).")
+    initial_scale_power: int = option(16, "fp16 only: dynamic loss scaling starts at 2**this.")
+    extra: dict[str, Any] = option(
+        {},
+        "Raw DeepSpeed JSON deep-merged last (e.g. {comms_logger: {enabled: true}}). Keys tapetrain owns "
+        "(batch sizes, optimizer, scheduler, gradient_clipping, precision, ZeRO stage) are rejected.",
+        shown_type="mapping",
+    )
+
+
+@dataclass
+class LoggingSection:
+    """Console, TensorBoard and metrics."""
+
+    tensorboard: bool = option(True, "Write TensorBoard events under run.out_dir/tensorboard (rank 0).")
+    console_interval: int | None = option(
+        None, "Print a progress line every N steps (null = train.log_interval)."
+    )
+    peak_tflops: float | None = option(
+        None,
+        "Per-device peak TFLOP/s used for MFU (null = look up the GPU model; no MFU on unknown devices).",
+    )

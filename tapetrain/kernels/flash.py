@@ -1,0 +1,95 @@
+"""TAPE attention on flash-attn (GPU, fp16/bf16): A·V and A·E via flash_attn_func.
+
+flash-attn 2 needs one head dim for q, k and v, so the positional stream E (extra value columns) is handled by
+one of two exact strategies:
+
+  * "two_calls": flash(q, k, v) and flash(q, k, e). Each is an exact autograd op; the softmax (and in the
+    backward the recomputation of P) is done twice.
+  * "padded":    one flash call with q, k zero-padded to width W = max(D, Dv + De) and values [v ‖ e] (padded to
+    W). Zero columns add nothing to QK^T so the logits are unchanged; softmax_scale = 1/sqrt(D) (the real D)
+    is passed explicitly. Costs a wider QK^T (W instead of D) and a concatenation.
+
+"auto" uses two_calls; tools/benchmark.py measures both (we cannot measure without a GPU here).
+
+Shapes are heads-first as everywhere in tapetrain (q (B, H, T, D), k (B, Hk, S, D), v (B, Hv, S, Dv),
+e (B, H, S, De)); flash-attn wants (B, T, H, D), so tensors are transposed on the way in and out. Causal masking
+in flash-attn >= 2.1 is bottom-right aligned, matching tapetrain. flash-attn does GQA natively when k and v
+share a head count; when Hk != Hv both are expanded to lcm(Hk, Hv) heads (repeat_interleave; a no-op for TAPE's
+keys, which already have H heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+STRATEGIES = ("auto", "two_calls", "padded")
+
+
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError as err:
+        raise ImportError(
+            "flash-attn is not installed; pip install 'tapetrain[gpu]' or set model.attn_backend=sdpa"
+        ) from err
+    return flash_attn_func
+
+
+def _expand(x: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, Hx, S, D) -> (B, n_heads, S, D); n_heads is a multiple of Hx."""
+    g = n_heads // x.shape[1]
+    return x if g == 1 else x.repeat_interleave(g, dim=1)
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _flash(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+    """flash_attn_func on heads-first tensors; pads q/k or v so the head dims agree. Returns (B, H, T, Dv)."""
+    fn = _flash_attn_func()
+    dv = v.shape[-1]
+    width = max(q.shape[-1], dv)
+    q, k, v = (_pad_last(x, width).transpose(1, 2) for x in (q, k, v))  # (B, T|S, heads, W)
+    out = fn(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)  # (B, T, H, W)
+    return out[..., :dv].transpose(1, 2)
+
+
+def flash_tape_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    strategy: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Returns (A·V (B, H, T, Dv), A·E (B, H, T, De) or None) using flash-attn; see the module docstring."""
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"flash-attn needs fp16/bf16 inputs, got {q.dtype}; use the sdpa or triton backend")
+    n_heads = q.shape[1]
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    hk, hv = k.shape[1], v.shape[1]
+    if hk != hv:  # flash-attn's GQA needs one kv head count; lcm(Hk, Hv) divides H and keeps h -> head maps
+        n_kv = math.lcm(hk, hv)
+        k, v = _expand(k, n_kv), _expand(v, n_kv)
+    if e is None:
+        return _flash(q, k, v, causal=causal, scale=scale), None
+
+    k_full = _expand(k, n_heads)  # e has one head per query head, so its call needs H key heads
+    if strategy in ("auto", "two_calls"):
+        o = _flash(q, k, v, causal=causal, scale=scale)
+        o_e = _flash(q, k_full, e, causal=causal, scale=scale)
+        return o, o_e
+
+    dv, de = v.shape[-1], e.shape[-1]
+    width = max(q.shape[-1], dv + de)
+    values = _pad_last(torch.cat([_expand(v, n_heads), e], dim=-1), width)  # (B, H, S, W)
+    out = _flash(_pad_last(q, width), _pad_last(k_full, width), values, causal=causal, scale=scale)
+    return out[..., :dv], out[..., dv : dv + de]

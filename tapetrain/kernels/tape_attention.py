@@ -1,0 +1,557 @@
+"""Fused TAPE attention in Triton: A·V and A·E from one softmax, flash-style (A is never materialised).
+
+Per batch b and query head h (shapes as in tapetrain.model.attention):
+
+    q (B, H, T, D)   k (B, Hk, S, D)   v (B, Hv, S, Dv)   e (B, H, S, De) or None
+    A = softmax(q_h k_{h // (H/Hk)}^T * scale + causal mask)       (T × S), causal bottom-right aligned
+    o = A · v_{h // (H/Hv)}      (B, H, T, Dv)
+    o_e = A · e_h                (B, H, T, De)
+
+Forward: one program per (query tile, h, b); it walks the key tiles once with an online softmax, computing
+QK^T once over D and feeding two fp32 accumulators (value columns of v and of e). It saves the natural-log
+logsumexp (B, H, T) fp32 for the backward.
+
+Backward (exact, both streams): with dO = [do ‖ do_e], O = [o ‖ o_e],
+    delta = rowsum(dO ⊙ O)  (over BOTH streams),   dP = do·v^T + do_e·e^T,   dS = P ⊙ (dP − delta)
+    dq = scale·dS·k,   dk = scale·dS^T·q,   dv = P^T·do,   de = P^T·do_e
+The E stream feeds dq/dk through dP and delta (the reference TAPE code dropped those terms). Two kernels, no
+atomics (deterministic): one per key tile for dk/dv/de, one per query tile for dq. With GQA, dk/dv are computed
+per query head into (B, H, S, ·) fp32 buffers and the groups summed in torch.
+
+Constraints / notes:
+  * Any T, S (partial tiles masked); any strides (strides are passed to the kernels, nothing is made
+    contiguous). q, k, v, e must share dtype (fp32/fp16/bf16) and device; accumulation is fp32.
+  * Head dims D, Dv, De need not be powers of two: tiles are padded to the next power of two ≥ 16 (tl.dot needs
+    ≥ 16) and the padding columns are masked on load/store; padding costs compute, so prefer powers of two.
+  * Query rows that can see no key (only possible with causal and T > S) return 0 (eager returns NaN).
+  * fp32 inputs on CUDA use tf32 dots iff torch.backends.cuda.matmul.allow_tf32, else IEEE fp32.
+  * TRITON_INTERPRET=1 must be set before this module is imported to run on CPU (triton.jit reads it at
+    decoration time); the interpreter uses small 16×16 tiles.
+  * Not double-differentiable.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+from triton.runtime.errors import OutOfResources
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, E, Out, OutE, LSE,
+    sqb, sqh, sqt, sqd,
+    skb, skh, sks, skd,
+    svb, svh, svs, svd,
+    seb, seh, ses, sed,
+    sob, soh, sot, sod,
+    seob, seoh, seot, seod,
+    H, T, S, D, DV, DE, GROUP_K, GROUP_V,
+    scale_log2,
+    CAUSAL: tl.constexpr, HAS_E: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DE: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_de = tl.arange(0, BLOCK_DE)
+    m_ok = offs_m < T
+
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+        mask=m_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )  # (BM, BD)
+    k_base = K + b * skb + (h // GROUP_K) * skh
+    v_base = V + b * svb + (h // GROUP_V) * svh
+    e_base = E + b * seb + h * seh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max (log2 domain)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2
+    acc_v = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc_e = tl.zeros([BLOCK_M, BLOCK_DE], tl.float32)
+
+    off = S - T  # query t sits at absolute position off + t
+    hi = S
+    if CAUSAL:  # keys beyond the last row's position are fully masked: skip those tiles
+        hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + off)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < S
+        kt = tl.load(
+            k_base + offs_n[None, :] * sks + offs_d[:, None] * skd,
+            mask=n_ok[None, :] & (offs_d[:, None] < D),
+            other=0.0,
+        )  # (BD, BN)
+        qk = tl.dot(q, kt, input_precision=PRECISION) * scale_log2  # (BM, BN), log2 domain
+        valid = n_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + off)
+        qk = tl.where(valid, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
+        p = tl.exp2(qk - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + offs_n[:, None] * svs + offs_dv[None, :] * svd,
+            mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )  # (BN, BDV)
+        acc_v = acc_v * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if HAS_E:
+            e = tl.load(
+                e_base + offs_n[:, None] * ses + offs_de[None, :] * sed,
+                mask=n_ok[:, None] & (offs_de[None, :] < DE),
+                other=0.0,
+            )  # (BN, BDE)
+            acc_e = acc_e * alpha[:, None] + tl.dot(p.to(e.dtype), e, input_precision=PRECISION)
+        m_i = m_new
+
+    has_key = l_i > 0.0
+    inv_l = 1.0 / tl.where(has_key, l_i, 1.0)
+    lse = tl.where(has_key, (m_i + tl.log2(tl.where(has_key, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(LSE + (b * H + h) * T + offs_m, lse, mask=m_ok)
+    tl.store(
+        Out + b * sob + h * soh + offs_m[:, None] * sot + offs_dv[None, :] * sod,
+        (acc_v * inv_l[:, None]).to(Out.dtype.element_ty),
+        mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+    )
+    if HAS_E:
+        tl.store(
+            OutE + b * seob + h * seoh + offs_m[:, None] * seot + offs_de[None, :] * seod,
+            (acc_e * inv_l[:, None]).to(OutE.dtype.element_ty),
+            mask=m_ok[:, None] & (offs_de[None, :] < DE),
+        )
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, E, DO, DOE, LSE, DELTA, DK, DV_, DE_,
+    sqb, sqh, sqt, sqd,
+    skb, skh, sks, skd,
+    svb, svh, svs, svd,
+    seb, seh, ses, sed,
+    sdob, sdoh, sdot, sdod,
+    sdeob, sdeoh, sdeot, sdeod,
+    sdkb, sdkh, sdks, sdkd,
+    sdvb, sdvh, sdvs, sdvd,
+    sdeb, sdeh, sdes, sded,
+    H, T, S, D, DV, DE, GROUP_K, GROUP_V,
+    scale, scale_log2,
+    CAUSAL: tl.constexpr, USE_V: tl.constexpr, USE_E: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DE: tl.constexpr,
+):  # fmt: skip
+    # One program per (key tile, query head h, b): dk/dv/de of that key tile as seen by query head h.
+    # USE_V / USE_E: whether do / do_e exist (a None upstream grad drops that stream's terms).
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_de = tl.arange(0, BLOCK_DE)
+    n_ok = offs_n < S
+
+    k = tl.load(
+        K + b * skb + (h // GROUP_K) * skh + offs_n[:, None] * sks + offs_d[None, :] * skd,
+        mask=n_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )  # (BN, BD)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    de = tl.zeros([BLOCK_N, BLOCK_DE], tl.float32)
+    if USE_V:
+        v = tl.load(
+            V + b * svb + (h // GROUP_V) * svh + offs_n[:, None] * svs + offs_dv[None, :] * svd,
+            mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )  # (BN, BDV)
+    if USE_E:
+        e = tl.load(
+            E + b * seb + h * seh + offs_n[:, None] * ses + offs_de[None, :] * sed,
+            mask=n_ok[:, None] & (offs_de[None, :] < DE),
+            other=0.0,
+        )  # (BN, BDE)
+
+    q_base = Q + b * sqb + h * sqh
+    do_base = DO + b * sdob + h * sdoh
+    doe_base = DOE + b * sdeob + h * sdeoh
+    row_base = (b * H + h) * T
+    off = S - T
+    lo = 0
+    if CAUSAL:  # queries before this tile's first key position see none of it
+        lo = tl.maximum(0, pid_n * BLOCK_N - off)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    for start_m in range(lo, T, BLOCK_M):
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < T
+        qt = tl.load(
+            q_base + offs_m[None, :] * sqt + offs_d[:, None] * sqd,
+            mask=m_ok[None, :] & (offs_d[:, None] < D),
+            other=0.0,
+        )  # (BD, BM)
+        lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+        delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
+        valid = n_ok[:, None] & m_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :] + off)
+        qkt = tl.dot(k, qt, input_precision=PRECISION) * scale_log2  # (BN, BM)
+        pt = tl.where(valid, tl.exp2(qkt - lse2[None, :]), 0.0)  # P^T, fp32
+        dpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        if USE_V:
+            do = tl.load(
+                do_base + offs_m[:, None] * sdot + offs_dv[None, :] * sdod,
+                mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0,
+            )  # (BM, BDV)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+            dpt += tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if USE_E:
+            doe = tl.load(
+                doe_base + offs_m[:, None] * sdeot + offs_de[None, :] * sdeod,
+                mask=m_ok[:, None] & (offs_de[None, :] < DE),
+                other=0.0,
+            )  # (BM, BDE)
+            de += tl.dot(pt.to(doe.dtype), doe, input_precision=PRECISION)
+            dpt += tl.dot(e, tl.trans(doe), input_precision=PRECISION)
+        dst = pt * (dpt - delta[None, :])  # dS^T (BN, BM)
+        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+
+    dk = dk * scale
+    tl.store(
+        DK + b * sdkb + h * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
+        dk.to(DK.dtype.element_ty),
+        mask=n_ok[:, None] & (offs_d[None, :] < D),
+    )
+    if USE_V:
+        tl.store(
+            DV_ + b * sdvb + h * sdvh + offs_n[:, None] * sdvs + offs_dv[None, :] * sdvd,
+            dv.to(DV_.dtype.element_ty),
+            mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+        )
+    if USE_E:
+        tl.store(
+            DE_ + b * sdeb + h * sdeh + offs_n[:, None] * sdes + offs_de[None, :] * sded,
+            de.to(DE_.dtype.element_ty),
+            mask=n_ok[:, None] & (offs_de[None, :] < DE),
+        )
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, E, DO, DOE, LSE, DELTA, DQ,
+    sqb, sqh, sqt, sqd,
+    skb, skh, sks, skd,
+    svb, svh, svs, svd,
+    seb, seh, ses, sed,
+    sdob, sdoh, sdot, sdod,
+    sdeob, sdeoh, sdeot, sdeod,
+    sdqb, sdqh, sdqt, sdqd,
+    H, T, S, D, DV, DE, GROUP_K, GROUP_V,
+    scale, scale_log2,
+    CAUSAL: tl.constexpr, USE_V: tl.constexpr, USE_E: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DE: tl.constexpr,
+):  # fmt: skip
+    # One program per (query tile, h, b): dq = scale · sum over key tiles of dS · k.
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    offs_de = tl.arange(0, BLOCK_DE)
+    m_ok = offs_m < T
+
+    q = tl.load(
+        Q + b * sqb + h * sqh + offs_m[:, None] * sqt + offs_d[None, :] * sqd,
+        mask=m_ok[:, None] & (offs_d[None, :] < D),
+        other=0.0,
+    )  # (BM, BD)
+    if USE_V:
+        do = tl.load(
+            DO + b * sdob + h * sdoh + offs_m[:, None] * sdot + offs_dv[None, :] * sdod,
+            mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+            other=0.0,
+        )  # (BM, BDV)
+    if USE_E:
+        doe = tl.load(
+            DOE + b * sdeob + h * sdeoh + offs_m[:, None] * sdeot + offs_de[None, :] * sdeod,
+            mask=m_ok[:, None] & (offs_de[None, :] < DE),
+            other=0.0,
+        )  # (BM, BDE)
+    row_base = (b * H + h) * T
+    lse2 = tl.load(LSE + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(DELTA + row_base + offs_m, mask=m_ok, other=0.0)
+    k_base = K + b * skb + (h // GROUP_K) * skh
+    v_base = V + b * svb + (h // GROUP_V) * svh
+    e_base = E + b * seb + h * seh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    off = S - T
+    hi = S
+    if CAUSAL:
+        hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + off)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        n_ok = offs_n < S
+        k = tl.load(
+            k_base + offs_n[:, None] * sks + offs_d[None, :] * skd,
+            mask=n_ok[:, None] & (offs_d[None, :] < D),
+            other=0.0,
+        )  # (BN, BD)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # (BM, BN)
+        valid = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + off)
+        p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
+        dp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        if USE_V:
+            vt = tl.load(
+                v_base + offs_n[None, :] * svs + offs_dv[:, None] * svd,
+                mask=n_ok[None, :] & (offs_dv[:, None] < DV),
+                other=0.0,
+            )  # (BDV, BN)
+            dp += tl.dot(do, vt, input_precision=PRECISION)
+        if USE_E:
+            et = tl.load(
+                e_base + offs_n[None, :] * ses + offs_de[:, None] * sed,
+                mask=n_ok[None, :] & (offs_de[:, None] < DE),
+                other=0.0,
+            )  # (BDE, BN)
+            dp += tl.dot(doe, et, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+
+    dq = dq * scale
+    tl.store(
+        DQ + b * sdqb + h * sdqh + offs_m[:, None] * sdqt + offs_d[None, :] * sdqd,
+        dq.to(DQ.dtype.element_ty),
+        mask=m_ok[:, None] & (offs_d[None, :] < D),
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), in order of preference; later ones are fallbacks tried when the
+# compiler reports OutOfResources (shared memory / registers). Untuned guesses: tools/benchmark.py measures.
+_Config = tuple[int, int, int, int]
+_chosen: dict[tuple, _Config] = {}
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _configs(kind: str, width: int, dtype: torch.dtype) -> list[_Config]:
+    """kind: fwd | dkdv | dq; width: padded D + Dv + De (what a program keeps in registers per row)."""
+    if _interpreting():
+        return [(16, 16, 1, 1)]
+    small = dtype != torch.float32 and width <= 192  # e.g. D = Dv = De = 64 in fp16/bf16
+    if kind == "fwd":
+        first = [(128, 64, 8, 3), (64, 64, 4, 3)] if small else [(64, 64, 4, 2), (64, 32, 4, 2)]
+    elif kind == "dkdv":
+        first = [(32, 128, 8, 2), (32, 64, 4, 2)] if small else [(32, 64, 4, 2), (16, 64, 4, 1)]
+    else:
+        first = [(64, 64, 4, 2), (64, 32, 4, 2)] if small else [(64, 32, 4, 2), (32, 32, 4, 1)]
+    return first + [(32, 32, 4, 1), (16, 16, 4, 1)]
+
+
+def _launch(kernel, kind: str, key: tuple, grid_of, width: int, dtype: torch.dtype, *args, **consts) -> None:
+    """Launch with the first config that compiles for this key; grid_of(BLOCK_M, BLOCK_N) -> grid."""
+    cfgs = _configs(kind, width, dtype)
+    if key in _chosen:
+        cfgs = [_chosen[key]]
+    last: Exception | None = None
+    for bm, bn, warps, stages in cfgs:
+        grid = grid_of(bm, bn)
+        if 0 in grid:
+            return
+        try:
+            kernel[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
+        except OutOfResources as err:
+            last = err
+            continue
+        _chosen[key] = (bm, bn, warps, stages)
+        return
+    raise RuntimeError(f"tape_attention: no {kind} config fits this GPU") from last
+
+
+def _pad(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str | None:
+    """tl.dot input precision: only meaningful for fp32 operands (None = the backend's default)."""
+    if dtype != torch.float32:
+        return None
+    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+
+
+def _strides(x: torch.Tensor | None) -> tuple[int, int, int, int]:
+    return (0, 0, 0, 0) if x is None else tuple(x.stride())
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Autograd wrapper
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor | None) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or (e is not None and e.dim() != 4):
+        raise ValueError("tape_attention expects heads-first 4-D tensors (B, H, T, D)")
+    b, h, _, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b or k.shape[3] != d or k.shape[2] != v.shape[2]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if h % k.shape[1] or h % v.shape[1]:
+        raise ValueError(f"kv heads must divide query heads: H={h}, Hk={k.shape[1]}, Hv={v.shape[1]}")
+    if e is not None and (e.shape[0] != b or e.shape[1] != h or e.shape[2] != k.shape[2]):
+        raise ValueError(f"e must be (B, H, S, De) = ({b}, {h}, {k.shape[2]}, De); got {tuple(e.shape)}")
+    tensors = [q, k, v] + ([e] if e is not None else [])
+    if any(t.dtype != q.dtype for t in tensors) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"q, k, v, e must share one of fp32/fp16/bf16; got {[t.dtype for t in tensors]}")
+    if any(t.device != q.device for t in tensors):
+        raise ValueError("q, k, v, e must be on one device")
+    if q.device.type != "cuda" and not _interpreting():
+        raise RuntimeError("tape_attention runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
+
+
+def _dims(q, k, v, e):
+    b, h, t, d = q.shape
+    s = k.shape[2]
+    dv = v.shape[3]
+    de = e.shape[3] if e is not None else 0
+    return b, h, t, s, d, dv, de, h // k.shape[1], h // v.shape[1]
+
+
+def _forward(q, k, v, e, causal: bool, scale: float):
+    b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
+    o = q.new_empty(b, h, t, dv)
+    oe = q.new_empty(b, h, t, de) if e is not None else None
+    lse = torch.empty(b, h, t, device=q.device, dtype=torch.float32)
+    bd, bdv, bde = _pad(d), _pad(dv), _pad(max(de, 1))
+    key = ("fwd", q.device.index, q.dtype, bd, bdv, bde if e is not None else 0)
+    _launch(
+        _fwd_kernel, "fwd", key, lambda bm, bn: (triton.cdiv(t, bm), h, b), bd + bdv + bde, q.dtype,
+        q, k, v, e if e is not None else v, o, oe if oe is not None else o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *_strides(e), *o.stride(), *_strides(oe),
+        h, t, s, d, dv, max(de, 1), gk, gv, scale * LOG2E,
+        CAUSAL=causal, HAS_E=e is not None, PRECISION=_precision(q.dtype),
+        BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_DE=bde,
+    )  # fmt: skip
+    return o, oe, lse
+
+
+def _backward(ctx, do: torch.Tensor | None, doe: torch.Tensor | None):
+    q, k, v, e, o, oe, lse = ctx.saved_tensors
+    causal, scale = ctx.causal, ctx.scale
+    need_q, need_k, need_v, need_e = ctx.needs_input_grad[:4]
+    use_v = do is not None
+    use_e = doe is not None and e is not None
+    if not (use_v or use_e):
+        return None, None, None, None, None, None
+    b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
+    # tl.dot needs both operands in one dtype
+    do = do.to(q.dtype) if use_v else None
+    doe = doe.to(q.dtype) if use_e else None
+
+    # delta (B, H, T) fp32 = rowsum(dO ⊙ O) over both streams; memory-bound, so plain torch is fine here.
+    delta = torch.zeros(b, h, t, device=q.device, dtype=torch.float32)
+    if use_v:
+        delta += (do.float() * o.float()).sum(-1)
+    if use_e:
+        delta += (doe.float() * oe.float()).sum(-1)
+
+    bd, bdv, bde = _pad(d), _pad(dv), _pad(max(de, 1))
+    width = bd + bdv + bde
+    # dummies for absent streams: never dereferenced (constexpr-guarded), any valid pointer will do
+    e_ = e if use_e else v
+    do_ = do if use_v else q
+    doe_ = doe if use_e else q
+    common = dict(CAUSAL=causal, USE_V=use_v, USE_E=use_e, PRECISION=_precision(q.dtype),
+                  BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_DE=bde)  # fmt: skip
+    key_tail = (q.device.index, q.dtype, bd, bdv, bde, use_v, use_e)
+
+    dq = dk = dv_ = de_ = None
+    if need_q:
+        dq = torch.empty_like(q)
+        _launch(
+            _bwd_dq_kernel, "dq", ("dq", *key_tail), lambda bm, bn: (triton.cdiv(t, bm), h, b), width, q.dtype,
+            q, k, v, e_, do_, doe_, lse, delta, dq,
+            *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_), *dq.stride(),
+            h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E, **common,
+        )  # fmt: skip
+    if need_k or need_v or need_e:
+        # per query head buffers; fp32 when a group of heads must still be summed
+        dk_h = torch.empty(b, h, s, d, device=q.device, dtype=k.dtype if gk == 1 else torch.float32)
+        dv_h = torch.empty(b, h, s, dv, device=q.device, dtype=v.dtype if gv == 1 else torch.float32)
+        de_h = torch.empty(b, h, s, de, device=q.device, dtype=e.dtype) if use_e else dk_h
+        _launch(
+            _bwd_dkdv_kernel, "dkdv", ("dkdv", *key_tail), lambda bm, bn: (triton.cdiv(s, bn), h, b), width,
+            q.dtype,
+            q, k, v, e_, do_, doe_, lse, delta, dk_h, dv_h, de_h,
+            *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_),
+            *dk_h.stride(), *dv_h.stride(), *de_h.stride(),
+            h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E, **common,
+        )  # fmt: skip
+        if need_k:
+            dk = dk_h if gk == 1 else dk_h.view(b, h // gk, gk, s, d).sum(2).to(k.dtype)
+        if need_v and use_v:
+            dv_ = dv_h if gv == 1 else dv_h.view(b, h // gv, gv, s, dv).sum(2).to(v.dtype)
+        if need_e and use_e:
+            de_ = de_h
+    return dq, dk, dv_, de_, None, None
+
+
+class _TapeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, e, causal: bool, scale: float):
+        o, oe, lse = _forward(q, k, v, e, causal, scale)
+        ctx.save_for_backward(q, k, v, e, o, oe, lse)
+        ctx.causal, ctx.scale = causal, scale
+        ctx.set_materialize_grads(False)  # None upstream grads stay None: that stream's terms are skipped
+        return o, oe
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, do, doe):
+        return _backward(ctx, do, doe)
+
+
+def tape_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    e: torch.Tensor | None = None,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Fused attention returning (A·V (B, H, T, Dv), A·E (B, H, T, De) or None); see the module docstring."""
+    _check(q, k, v, e)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _TapeAttention.apply(q, k, v, e, bool(causal), scale)

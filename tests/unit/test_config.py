@@ -1,0 +1,470 @@
+"""Run config: shipped YAMLs, strict keys/types, overrides, cross-field checks, round trip, DeepSpeed JSON."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+from tapetrain.config import (
+    RunConfig,
+    build_deepspeed_config,
+    load_run_config,
+    save_resolved,
+)
+from tapetrain.config.reference import render_reference
+from tapetrain.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted(glob.glob(str(REPO / "configs" / "*.yaml")))
+CONTRACT_KEYS = [
+    "run.out_dir",
+    "run.seed",
+    "model.pe",
+    "model.init_from",
+    "data.train",
+    "data.seq_len",
+    "train.steps",
+    "train.micro_batch_size",
+    "train.global_batch_size",
+    "train.save_interval",
+    "train.log_interval",
+    "optim.lr",
+    "deepspeed.zero_stage",
+    "deepspeed.precision",
+]
+MINIMAL = """\
+model:
+  preset: tiny
+data:
+  train: shards
+train:
+  steps: 100
+  micro_batch_size: 2
+  global_batch_size: 8
+deepspeed:
+  precision: fp32
+"""
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def load(tmp_path: Path, *overrides: str, text: str = MINIMAL) -> RunConfig:
+    return load_run_config(write(tmp_path, text), list(overrides))
+
+
+def error_of(tmp_path: Path, *overrides: str, text: str = MINIMAL) -> str:
+    with pytest.raises(ConfigError) as info:
+        load(tmp_path, *overrides, text=text)
+    return str(info.value)
+
+
+def deepspeed_parse(ds: dict, world_size: int, monkeypatch: pytest.MonkeyPatch):
+    """DeepSpeed's own config parser, told the world size (it asks torch.distributed, absent here)."""
+    import deepspeed.runtime.config as ds_config
+
+    fake_dist = types.SimpleNamespace(get_rank=lambda *a, **k: 0, get_world_size=lambda *a, **k: world_size)
+    monkeypatch.setattr(ds_config, "dist", fake_dist)
+    return ds_config.DeepSpeedConfig(ds)
+
+
+# ---- shipped configs ---------------------------------------------------------------------------------------
+
+
+def test_configs_are_shipped():
+    names = {os.path.basename(p) for p in SHIPPED}
+    expected = {"tiny-cpu.yaml", "tiny-cpu-zero3.yaml", "paper-155m-tape.yaml"}
+    expected.add("paper-155m-tape-zero3-offload.yaml")
+    expected |= {f"paper-155m-{pe}.yaml" for pe in ("rope", "nope", "alibi", "randpe", "xpos", "fire")}
+    assert expected <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_shipped_config_loads_resolves_and_deepspeed_accepts_it(path, monkeypatch):
+    cfg = load_run_config(path)
+    world, device = (1, "cpu") if "cpu" in path else (8, "cuda")
+    resolved = cfg.resolve(world, device)
+    ds = build_deepspeed_config(resolved, world)
+    parsed = deepspeed_parse(ds, world, monkeypatch)
+    assert parsed.train_batch_size == resolved.train.global_batch_size
+    assert parsed.zero_optimization_stage == cfg.deepspeed.zero_stage
+
+
+def test_paper_configs_match_the_paper_recipe():
+    cfg = load_run_config(str(REPO / "configs" / "paper-155m-tape.yaml"))
+    m = cfg.model
+    shape = (m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.max_seq_len, m.pe)
+    assert shape == (12, 768, 12, 32000, 1024, "tape")
+    assert (cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (1024, 512, 16)
+    assert (cfg.train.steps, cfg.optim.lr, cfg.optim.warmup_for(cfg.train.steps)) == (10000, 1e-4, 200)
+    assert (cfg.optim.schedule, cfg.optim.power, cfg.optim.weight_decay) == ("polynomial", 1.0, 0.01)
+    assert (cfg.deepspeed.zero_stage, cfg.deepspeed.precision) == (2, "bf16")
+    assert cfg.data.train[0].path == "data/c4"
+
+
+@pytest.mark.parametrize("pe", ["rope", "nope", "alibi", "randpe", "xpos", "fire"])
+def test_baseline_twins_differ_only_in_pe_and_out_dir(pe):
+    tape = load_run_config(str(REPO / "configs" / "paper-155m-tape.yaml")).to_dict()
+    twin = load_run_config(str(REPO / "configs" / f"paper-155m-{pe}.yaml")).to_dict()
+    assert twin["model"]["pe"] == pe
+    assert twin["run"]["out_dir"] == f"runs/paper-155m-{pe}"
+    for d in (tape, twin):
+        del d["model"]["pe"], d["run"]["out_dir"]
+    assert twin == tape
+
+
+def test_offload_variant_and_tiny_zero3():
+    off = load_run_config(str(REPO / "configs" / "paper-155m-tape-zero3-offload.yaml")).deepspeed
+    assert (off.zero_stage, off.offload_optimizer, off.offload_params) == (3, True, True)
+    tiny3 = load_run_config(str(REPO / "configs" / "tiny-cpu-zero3.yaml"))
+    assert (tiny3.deepspeed.zero_stage, tiny3.deepspeed.precision, tiny3.model.pe) == (3, "fp32", "tape")
+
+
+def test_contract_keys_exist_and_are_documented():
+    cfg = RunConfig()
+    reference = render_reference()
+    for key in CONTRACT_KEYS:
+        section, name = key.split(".")
+        assert hasattr(getattr(cfg, section), name), key
+        assert f"| `{key}` |" in reference, key
+
+
+def test_every_field_has_help_in_the_reference():
+    reference = render_reference()
+    for section in dataclasses.fields(RunConfig):
+        for f in dataclasses.fields(getattr(RunConfig(), section.name)):
+            assert f.metadata.get("help"), f"{section.name}.{f.name} has no help text"
+            assert f"| `{section.name}.{f.name}` |" in reference
+    assert "base:" in reference
+
+
+# ---- unknown keys, bad YAML, bad types ---------------------------------------------------------------------
+
+
+def test_unknown_top_level_key_names_it_and_suggests(tmp_path):
+    msg = error_of(tmp_path, text=MINIMAL + "trian:\n  steps: 3\n")
+    assert "'trian'" in msg and "did you mean 'train'" in msg and "run.yaml:11" in msg
+
+
+def test_unknown_nested_key_names_dotted_key_and_suggests(tmp_path):
+    msg = error_of(tmp_path, text=MINIMAL.replace("  steps: 100", "  stpes: 100"))
+    assert "'train.stpes'" in msg and "did you mean 'train.steps'" in msg and "run.yaml:6" in msg
+
+
+def test_unknown_model_key_suggests(tmp_path):
+    msg = error_of(tmp_path, text=MINIMAL.replace("  preset: tiny", "  preset: tiny\n  d_modle: 64"))
+    assert "'model.d_modle'" in msg and "did you mean 'model.d_model'" in msg
+
+
+def test_key_in_the_wrong_section_points_to_its_section(tmp_path):
+    msg = error_of(tmp_path, text=MINIMAL.replace("  steps: 100", "  steps: 100\n  lr: 0.001"))
+    assert "'train.lr'" in msg and "optim.lr" in msg
+    msg = error_of(tmp_path, text="steps: 3\n" + MINIMAL)
+    assert "'steps'" in msg and "train.steps" in msg
+
+
+def test_unknown_override_key_names_the_override(tmp_path):
+    msg = error_of(tmp_path, "train.stpes=3")
+    assert "'train.stpes'" in msg and "did you mean 'train.steps'" in msg
+    assert "override 'train.stpes=3'" in msg
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    text = "run:\n  out_dir: x\ntrain:\n  steps: [1, 2\n  micro_batch_size: 2\n"
+    msg = error_of(tmp_path, text=text)
+    assert "run.yaml:" in msg and "malformed YAML" in msg
+    assert "starts at line 4" in msg  # the unclosed '[' (the parser notices on line 5)
+    msg = error_of(tmp_path, text="run:\n  out_dir: x\n seed: 3\n")
+    assert "run.yaml:3" in msg
+
+
+def test_duplicate_key_is_an_error(tmp_path):
+    msg = error_of(tmp_path, text=MINIMAL + "train:\n  steps: 5\n")
+    assert "duplicate key 'train'" in msg and "run.yaml:11" in msg
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*nope.yaml"):
+        load_run_config(str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("train.steps=ten", "train.steps: expected int, got 'ten' (str)"),
+        ("train.micro_batch_size=2.5", "train.micro_batch_size: expected int, got 2.5"),
+        ("train.global_batch_size=abc", "train.global_batch_size: expected int or null, got 'abc' (str)"),
+        ("optim.lr=fast", "optim.lr: expected float, got 'fast'"),
+        ("model.tie_embeddings=1", "model.tie_embeddings: expected bool, got 1 (int)"),
+        ("optim.betas=[0.9]", "optim.betas: expected list of 2"),
+        ("optim.schedule=cosin", "did you mean 'cosine'"),
+        ("deepspeed.precision=bf32", "deepspeed.precision: expected one of fp32, bf16, fp16"),
+        ("train=5", "train: expected a mapping"),
+        ("data.train=[{path: a, weight: heavy}]", "data.train[0].weight: expected float"),
+        ("deepspeed.extra=[1]", "deepspeed.extra: expected mapping"),
+    ],
+)
+def test_wrong_types_name_key_expected_type_and_value(tmp_path, override, expected):
+    msg = error_of(tmp_path, override)
+    assert expected in msg
+    assert "override" in msg or override.startswith("train=")
+
+
+def test_type_error_in_file_names_the_line(tmp_path):
+    msg = error_of(tmp_path, text=MINIMAL.replace("steps: 100", "steps: many"))
+    assert "train.steps: expected int" in msg and "run.yaml:6" in msg
+
+
+# ---- values and overrides ----------------------------------------------------------------------------------
+
+
+def test_overrides_parse_yaml_values(tmp_path):
+    cfg = load(
+        tmp_path,
+        "train.steps=20",
+        "optim.lr=1e-4",
+        "data.train=[a, {path: b, weight: 3}]",
+        "deepspeed.extra.comms_logger={enabled: true}",
+        "run.name=demo",
+    )
+    assert cfg.train.steps == 20 and cfg.optim.lr == 1e-4 and cfg.run.name == "demo"
+    assert [(s.path, s.weight) for s in cfg.data.train] == [("a", 1.0), ("b", 3.0)]
+    assert cfg.deepspeed.extra == {"comms_logger": {"enabled": True}}
+
+
+def test_scientific_notation_without_dot_is_a_float(tmp_path):
+    cfg = load(tmp_path, text=MINIMAL + "optim:\n  lr: 3e-4\n  eps: 1e-8\n")
+    assert cfg.optim.lr == 3e-4 and cfg.optim.eps == 1e-8
+    assert load(tmp_path, "deepspeed.reduce_bucket_size=5e8").deepspeed.reduce_bucket_size == 500_000_000
+
+
+@pytest.mark.parametrize("bad", ["train.steps", "=3", "train..steps=3"])
+def test_malformed_override(tmp_path, bad):
+    assert "override" in error_of(tmp_path, bad)
+
+
+def test_override_below_a_scalar_is_an_error(tmp_path):
+    msg = error_of(tmp_path, "train.steps.max=3")
+    assert "'train.steps' holds a value" in msg
+
+
+def test_preset_fills_model_and_keys_override_it(tmp_path):
+    cfg = load(tmp_path, "model.d_model=128", "model.pe=rope")
+    assert (cfg.model.d_model, cfg.model.n_layers, cfg.model.pe, cfg.model.preset) == (128, 2, "rope", "tiny")
+    assert cfg.data.seq_len == cfg.model.max_seq_len == 128  # data.seq_len null -> model.max_seq_len
+    plain = cfg.model.model_config()
+    assert type(plain).__name__ == "ModelConfig" and plain.d_model == 128
+    assert "preset" not in cfg.model.to_dict()
+    assert "unknown preset 'huge'" in error_of(tmp_path, "model.preset=huge")
+
+
+def test_model_without_preset_uses_model_config_fields(tmp_path):
+    text = MINIMAL.replace("  preset: tiny", "  vocab_size: 256\n  d_model: 32\n  n_layers: 1\n  n_heads: 2")
+    cfg = load(tmp_path, text=text)
+    m = cfg.model
+    assert (m.vocab_size, m.d_model, m.preset, m.init_from) == (256, 32, None, None)
+    assert load(tmp_path, "model.init_from=hf/llama").model.init_from == "hf/llama"
+
+
+def test_data_shorthands(tmp_path):
+    assert [s.path for s in load(tmp_path, "data.train=[a, b]").data.train] == ["a", "b"]
+    assert load(tmp_path, "data.val=null").data.val == []
+    assert load(tmp_path, "data.val=v").data.val[0].path == "v"
+
+
+# ---- impossible values -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["train.steps=0"], "train.steps: must be > 0"),
+        (["optim.lr=0"], "optim.lr: must be > 0"),
+        (["optim.min_lr=1"], "optim.min_lr: 1.0 is above optim.lr"),
+        (["optim.warmup_steps=100"], "not shorter than train.steps=100"),
+        (["optim.warmup_ratio=1.0"], "optim.warmup_ratio: must be in [0, 1)"),
+        (["optim.warmup_steps=5", "optim.warmup_ratio=0.1"], "set one of them to null"),
+        (["optim.schedule=wsd", "optim.warmup_steps=90", "optim.decay_ratio=0.2"], "exceed train.steps=100"),
+        (["optim.betas=[0.9, 1.0]"], "optim.betas[1]: must be in [0, 1)"),
+        (["deepspeed.zero_stage=4"], "deepspeed.zero_stage: must be 0, 1, 2 or 3"),
+        (["deepspeed.offload_params=true"], "set deepspeed.zero_stage=3 or deepspeed.offload_params=false"),
+        (["deepspeed.zero_stage=0", "deepspeed.offload_optimizer=true"], "deepspeed.offload_optimizer"),
+        (["data.seq_len=256"], "raise model.max_seq_len to 256"),
+        (["data.seq_len=0"], "data.seq_len: must be > 0"),
+        (["data.train=[]"], "data.train: no training data"),
+        (["train.global_batch_size=9"], "use train.global_batch_size=8"),
+        (["train.eval_interval=10"], "set data.val or train.eval_interval=0"),
+        (["train.trainable=tape", "model.pe=rope"], "set model.pe=tape or train.trainable=all"),
+        (["train.log_interval=0"], "train.log_interval: must be > 0"),
+        (["model.n_heads=5"], "model.n_heads"),
+        (["deepspeed.extra={optimizer: {type: Adam}}"], "deepspeed.extra.optimizer: is derived by tapetrain"),
+        (["deepspeed.extra={zero_optimization: {stage: 1}}"], "set deepspeed.zero_stage instead"),
+        (["deepspeed.extra={train_batch_size: 4}"], "set train.global_batch_size instead"),
+    ],
+)
+def test_impossible_values_name_key_and_fix(tmp_path, overrides, expected):
+    assert expected in error_of(tmp_path, *overrides)
+
+
+def test_resolve_checks_batch_divisibility_with_world_size(tmp_path):
+    cfg = load(tmp_path, "train.global_batch_size=512", "train.micro_batch_size=16")
+    assert cfg.resolve(8, "cuda").train.global_batch_size == 512
+    assert cfg.grad_accum_steps(8) == 4 and cfg.tokens_per_step(8) == 512 * 128
+    with pytest.raises(ConfigError) as info:
+        cfg.resolve(3, "cuda")
+    msg = str(info.value)
+    assert "train.global_batch_size=512" in msg and "train.micro_batch_size" in msg
+    assert "use train.global_batch_size=528 (or 480)" in msg
+
+
+def test_resolve_fills_null_global_batch(tmp_path):
+    cfg = load(tmp_path, "train.global_batch_size=null")
+    assert cfg.train.global_batch_size is None
+    assert cfg.resolve(4, "cpu").train.global_batch_size == 8
+    with pytest.raises(ConfigError, match="world size must be a positive integer"):
+        cfg.resolve(0)
+
+
+def test_resolve_rejects_half_precision_on_cpu(tmp_path):
+    cfg = load(tmp_path, "deepspeed.precision=bf16")
+    with pytest.raises(ConfigError, match="precision=bf16 is not supported on CPU.*deepspeed.precision=fp32"):
+        cfg.resolve(1, "cpu")
+    assert cfg.resolve(1, "cuda").deepspeed.precision == "bf16"
+
+
+# ---- base includes -----------------------------------------------------------------------------------------
+
+
+def test_base_include_deep_merges_relative_to_the_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write(tmp_path, MINIMAL + "optim:\n  lr: 0.01\n  weight_decay: 0.0\n", "sub/base.yaml")
+    path = write(tmp_path, "base: sub/base.yaml\noptim:\n  lr: 0.02\n", "child.yaml")
+    cfg = load_run_config(path)
+    assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.model.preset) == (0.02, 0.0, "tiny")
+
+
+def test_base_list_merges_in_order(tmp_path):
+    write(tmp_path, MINIMAL, "a.yaml")
+    write(tmp_path, "train:\n  steps: 7\n", "b.yaml")
+    cfg = load_run_config(write(tmp_path, "base: [a.yaml, b.yaml]\n", "c.yaml"))
+    assert cfg.train.steps == 7 and cfg.train.micro_batch_size == 2
+
+
+def test_base_cycle_is_an_error(tmp_path):
+    write(tmp_path, "base: b.yaml\n" + MINIMAL, "a.yaml")
+    write(tmp_path, "base: a.yaml\n", "b.yaml")
+    with pytest.raises(ConfigError, match=r"include cycle a.yaml -> b.yaml -> a.yaml"):
+        load_run_config(str(tmp_path / "a.yaml"))
+
+
+def test_missing_base_is_an_error(tmp_path):
+    with pytest.raises(ConfigError, match="base file 'gone.yaml' not found"):
+        load_run_config(write(tmp_path, "base: gone.yaml\n"))
+
+
+def test_error_in_base_names_the_base_file_line(tmp_path):
+    write(tmp_path, MINIMAL + "optim:\n  lr: -1.0\n", "base.yaml")
+    msg = error_of(tmp_path, text="base: base.yaml\nrun:\n  seed: 1\n")
+    assert "optim.lr: must be > 0" in msg and "base.yaml:12" in msg
+
+
+# ---- round trip --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
+def test_resolved_config_round_trips(path, tmp_path):
+    cfg = load_run_config(path, ["data.train=[{path: a, weight: 2}, b]", "deepspeed.extra={x: {y: [1, 2]}}"])
+    cfg = cfg.resolve(1, "cuda")
+    out = tmp_path / "run" / "config.yaml"
+    save_resolved(cfg, str(out))
+    assert load_run_config(str(out)) == cfg
+    save_resolved(dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, seed=5)), str(out))  # replaces
+    assert load_run_config(str(out)).run.seed == 5
+    assert os.listdir(out.parent) == ["config.yaml"]  # no temp file left behind
+
+
+# ---- DeepSpeed JSON ----------------------------------------------------------------------------------------
+
+
+def _deepspeed_key_names() -> set[str]:
+    import deepspeed.runtime.constants as constants
+    import deepspeed.runtime.precision_config as precision
+    import deepspeed.runtime.zero.config as zero
+
+    names = set()
+    for module in (constants, precision, zero):
+        names |= {v for k, v in vars(module).items() if k.isupper() and isinstance(v, str)}
+    return names
+
+
+@pytest.mark.parametrize(
+    "stage, offload_optimizer, offload_params, precision",
+    [
+        (0, False, False, "fp32"),
+        (1, False, False, "bf16"),
+        (2, True, False, "fp16"),
+        (3, True, True, "bf16"),
+        (3, False, False, "fp32"),
+    ],
+)
+def test_deepspeed_config_is_accepted_by_deepspeed(
+    tmp_path, monkeypatch, stage, offload_optimizer, offload_params, precision
+):
+    cfg = load(
+        tmp_path,
+        f"deepspeed.zero_stage={stage}",
+        f"deepspeed.offload_optimizer={str(offload_optimizer).lower()}",
+        f"deepspeed.offload_params={str(offload_params).lower()}",
+        f"deepspeed.precision={precision}",
+        "train.grad_clip=0.5",
+    )
+    ds = build_deepspeed_config(cfg, world_size=2)
+    assert "optimizer" not in ds and "scheduler" not in ds
+    assert set(ds) <= _deepspeed_key_names(), set(ds) - _deepspeed_key_names()
+    parsed = deepspeed_parse(ds, 2, monkeypatch)  # pydantic models forbid unknown ZeRO/offload/precision keys
+    assert (parsed.train_batch_size, parsed.train_micro_batch_size_per_gpu) == (8, 2)
+    assert parsed.gradient_accumulation_steps == 2 and parsed.gradient_clipping == 0.5
+    assert parsed.zero_optimization_stage == stage
+    zero = parsed.zero_config
+    assert (zero.offload_optimizer is not None) == offload_optimizer
+    assert (zero.offload_param is not None) == offload_params
+    if offload_optimizer:
+        assert zero.offload_optimizer.device == "cpu" and ds["zero_force_ds_cpu_optimizer"] is False
+    assert parsed.bfloat16_config.enabled == (precision == "bf16")
+    assert parsed.float16_config.enabled == (precision == "fp16")
+    if precision == "fp16":
+        assert parsed.float16_config.loss_scale == 0 and parsed.float16_config.initial_scale_power == 16
+    assert parsed.steps_per_print >= 10**9 and parsed.wall_clock_breakdown is False
+
+
+def test_deepspeed_stage3_knobs_and_extra_deep_merge(tmp_path, monkeypatch):
+    cfg = load(
+        tmp_path,
+        "deepspeed.zero_stage=3",
+        "deepspeed.stage3_max_live_parameters=1e8",
+        "deepspeed.extra={zero_optimization: {sub_group_size: 1e8}, comms_logger: {enabled: false}}",
+    )
+    ds = build_deepspeed_config(cfg, 1)
+    assert ds["zero_optimization"]["stage"] == 3 and ds["zero_optimization"]["sub_group_size"] == 1e8
+    assert ds["comms_logger"] == {"enabled": False}
+    parsed = deepspeed_parse(ds, 1, monkeypatch)
+    assert parsed.zero_config.max_live_parameters == 10**8
+    assert parsed.zero_config.sub_group_size == 10**8
+
+
+def test_deepspeed_grad_accum_error_suggests_a_valid_global_batch(tmp_path):
+    cfg = load(tmp_path, "train.global_batch_size=12", "train.micro_batch_size=2")
+    with pytest.raises(ConfigError) as info:
+        build_deepspeed_config(cfg, 4)
+    msg = str(info.value)
+    assert "train.global_batch_size=12" in msg and "train.micro_batch_size × world size = 2 × 4 = 8" in msg
+    assert "use train.global_batch_size=8 (or 16)" in msg
