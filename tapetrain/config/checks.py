@@ -164,6 +164,10 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
             f"{t.trainable!r} trains TAPE parameters but model.pe={cfg.model.pe!r} has none",
             "set model.pe=tape or train.trainable=all",
         )
+    if t.trainable.startswith("lora") and t.lora is None:
+        c.fail("train.trainable", f"is {t.trainable!r} but train.lora is null", "add a train.lora: {r: 8, alpha: 16}")
+    if t.lora is not None:
+        c.positive("train.lora.r", t.lora.r, "set the adapter rank, e.g. 8")
     c.non_negative("train.max_nan_skips", t.max_nan_skips, "set how many skipped steps in a row to tolerate")
     c.non_negative("train.grad_clip", t.grad_clip, "set 0 to disable clipping, e.g. 1.0")
     c.non_negative(

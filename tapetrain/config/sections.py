@@ -14,7 +14,7 @@ from tapetrain.model.config import ModelConfig
 
 Schedule = Literal["cosine", "linear", "polynomial", "constant", "wsd"]
 Precision = Literal["fp32", "bf16", "fp16"]
-Trainable = Literal["all", "tape", "tape+embed+norm"]
+Trainable = Literal["all", "tape", "tape+embed+norm", "lora", "lora+embed+norm"]
 OnNan = Literal["skip", "stop"]
 
 
@@ -109,6 +109,18 @@ class DataSection:
 
 
 @dataclass
+class LoraSection:
+    """LoRA adapters (through `peft`) for the LoRA / LongLoRA baselines; merged into the weights on export."""
+
+    r: int = option(8, "Adapter rank.")
+    alpha: float = option(16.0, "Scaling numerator: the update is (alpha / r) · B·A.")
+    dropout: float = option(0.0, "Dropout on the adapter input.")
+    targets: list[str] = option(
+        ["q_proj", "k_proj", "v_proj", "o_proj"], "Linear layers (by attribute name) that get adapters."
+    )
+
+
+@dataclass
 class TrainSection:
     """Steps, batch sizes, intervals and what to do when things go wrong."""
 
@@ -134,8 +146,10 @@ class TrainSection:
     trainable: Trainable = option(
         "all",
         "Parameters to train: all; tape (TAPE/positional parameters only); tape+embed+norm (plus embeddings "
-        "and norms, as LongLoRA). Others are frozen.",
+        "and norms, the TAPE paper's PEFT setting); lora / lora+embed+norm (the adapters of train.lora, plus "
+        "embeddings and norms as LongLoRA). Others are frozen and stay out of the optimizer.",
     )
+    lora: LoraSection | None = option(None, "LoRA adapters (null = none); required by trainable=lora*.")
     on_nan: OnNan = option(
         "stop", "Non-finite loss or gradient: 'stop' with an error, or 'skip' the step (see max_nan_skips)."
     )

@@ -179,7 +179,8 @@ def build(
         key = unknown[0]
         dotted = f"{prefix}.{key}" if prefix else str(key)
         hint = suggest(str(key), names, prefix)
-        moved = elsewhere(str(key)) if elsewhere is not None and "did you mean" not in hint else None
+        # The exact name in another section beats a fuzzy match here ('train.lr' -> 'optim.lr', not 'train.lora').
+        moved = elsewhere(str(key)) if elsewhere is not None else None
         if moved:
             hint = f"; did you mean {moved!r}? ({key!r} belongs in that section)"
         raise ConfigError(f"unknown key {dotted!r}{where(locate, dotted)}{hint}")

@@ -87,6 +87,11 @@ def build_components(cfg, env: DistEnv) -> Components:
         from tapetrain.checkpoint.hf_import import load_hf_weights_into
 
         load_hf_weights_into(model, cfg.model.init_from)
+    if cfg.train.lora is not None:
+        from tapetrain.train.lora import apply_lora
+
+        lora = cfg.train.lora
+        model = apply_lora(model, lora.r, lora.alpha, lora.dropout, lora.targets)
     apply_trainable(model, cfg.train.trainable)
 
     checkpoint = _resume_checkpoint(cfg)

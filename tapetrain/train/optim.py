@@ -9,6 +9,8 @@ Trainable modes (parameter names are the model's qualified names, e.g. `layers.0
   tape             TAPE parameters (a name containing "tape") and learned positional-encoding parameters
                    (under the model's `pe.` module)
   tape+embed+norm  the above plus embeddings (a name containing "embed") and norms (a name containing "norm")
+  lora             LoRA adapter matrices (names containing "lora_"; see tapetrain.train.lora)
+  lora+embed+norm  adapters plus embeddings and norms (LongLoRA's trainable set)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from torch import nn
 from tapetrain.config.sections import OptimSection
 from tapetrain.errors import ConfigError
 
-TRAINABLE_MODES = ("all", "tape", "tape+embed+norm")
+TRAINABLE_MODES = ("all", "tape", "tape+embed+norm", "lora", "lora+embed+norm")
 
 
 def _is_positional(name: str) -> bool:
@@ -34,6 +36,10 @@ def is_trainable(name: str, mode: str) -> bool:
         return _is_positional(name)
     if mode == "tape+embed+norm":
         return _is_positional(name) or "embed" in name or "norm" in name
+    if mode == "lora":
+        return "lora_" in name
+    if mode == "lora+embed+norm":
+        return "lora_" in name or "embed" in name or "norm" in name
     raise ConfigError(f"train.trainable: unknown mode {mode!r}; choose one of {', '.join(TRAINABLE_MODES)}")
 
 

@@ -97,8 +97,8 @@ def test_mode_selecting_nothing_or_unknown_is_an_error():
     plain = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="train.trainable='tape' selects no parameter.*train.trainable=all"):
         apply_trainable(plain, "tape")
-    with pytest.raises(ConfigError, match="train.trainable: unknown mode 'lora'"):
-        is_trainable("x", "lora")
+    with pytest.raises(ConfigError, match="train.trainable: unknown mode 'adapters'"):
+        is_trainable("x", "adapters")
     for p in plain.parameters():
         p.requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameters"):
