@@ -200,6 +200,35 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
     return choice
 
 
+def shifted_sparse_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, backend: str = "auto"
+) -> torch.Tensor:
+    """LongLoRA's S²-Attn (training only): causal attention inside groups of `group` tokens; the second half of
+    the heads works on the sequence rolled by group/2, so information crosses group borders.
+
+    q (B, H, T, D), k/v (B, Hk|Hv, T, D) with T divisible by `group`; returns (B, H, T, Dv).
+    """
+    b, h, t, _ = q.shape
+    if t % group or group % 2:
+        raise ValueError(
+            f"shifted sparse attention needs the sequence length ({t}) to be a multiple of an even group size "
+            f"({group}); set model.s2_attn_group_fraction so that seq_len × fraction is such a divisor"
+        )
+    k, v = expand_heads(k, h), expand_heads(v, h)
+    half, shift = h // 2, group // 2
+
+    def roll(x: torch.Tensor, by: int) -> torch.Tensor:  # roll only the second half of the heads
+        return torch.cat([x[:, :half], x[:, half:].roll(by, dims=2)], dim=1)
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B·T/G, H, G, D)
+        return x.reshape(b, h, t // group, group, -1).transpose(1, 2).reshape(b * (t // group), h, group, -1)
+
+    q, k, v = (grouped(roll(x, -shift)) for x in (q, k, v))
+    out, _ = attention(q, k, v, causal=True, backend=backend)
+    out = out.reshape(b, t // group, h, group, -1).transpose(1, 2).reshape(b, h, t, -1)
+    return roll(out, shift)
+
+
 def attention(
     q: torch.Tensor,
     k: torch.Tensor,

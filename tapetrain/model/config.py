@@ -51,6 +51,11 @@ class ModelConfig:
     )
     xpos_scale_base: float = _help("xpos: decay length scale.", default=512.0)
     fire_hidden: int = _help("fire: hidden width of the bias MLP.", default=32)
+    s2_attn: bool = _help(
+        "LongLoRA shifted sparse attention while training (full attention at evaluation); rope/nope only.",
+        default=False,
+    )
+    s2_attn_group_fraction: float = _help("S²-Attn group size as a fraction of the sequence length.", default=0.25)
 
     @property
     def head_dim(self) -> int:
@@ -108,6 +113,10 @@ class ModelConfig:
             fail("ffn_hidden", f"must be positive, got {self.ffn_hidden}", "set null for the Llama default")
         if self.tape_channels is not None and self.tape_channels <= 0:
             fail("tape_channels", f"must be positive, got {self.tape_channels}", "set null for 4·n_heads")
+        if self.s2_attn and self.pe not in ("rope", "nope"):
+            fail("s2_attn", f"shifted sparse attention is implemented for rope and nope, not {self.pe}", "set false")
+        if not 0 < self.s2_attn_group_fraction <= 1:
+            fail("s2_attn_group_fraction", f"must be in (0, 1], got {self.s2_attn_group_fraction}", "use 0.25")
         from tapetrain.model.attention import BACKENDS
 
         if self.attn_backend not in BACKENDS:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tapetrain.model.attention import attention, expand_heads
+from tapetrain.model.attention import attention, expand_heads, shifted_sparse_attention
 from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
 from tapetrain.model.positions import PositionalEncoding, PositionContext
@@ -92,9 +92,13 @@ class Attention(nn.Module):
             q, k = pe.rotate_qk(q, k, ctx)
         if cache is not None:
             k, v, e_values = cache.append(k, v, e_values)
-        out, attended = attention(
-            q, k, v, e_values, causal=self.cfg.causal, bias=ctx.bias, backend=self.cfg.attn_backend
-        )
+        if self.cfg.s2_attn and self.training and cache is None:
+            group = max(2, int(t * self.cfg.s2_attn_group_fraction))
+            out, attended = shifted_sparse_attention(q, k, v, group, self.cfg.attn_backend), None
+        else:
+            out, attended = attention(
+                q, k, v, e_values, causal=self.cfg.causal, bias=ctx.bias, backend=self.cfg.attn_backend
+            )
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
             state = self.tape_mix(state, attended)
