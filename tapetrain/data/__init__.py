@@ -1,0 +1,29 @@
+"""Data layer: sentencepiece tokenizer, corpus readers, `prepare` into token shards, and the training reader.
+
+Exports are resolved lazily so `tapetrain prepare` does not import torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from tapetrain.data.errors import DataError
+
+_EXPORTS = {
+    "BatchIterator": "tapetrain.data.batches",
+    "FlatTokenFile": "tapetrain.data.flat_tokens",
+    "MixedDataset": "tapetrain.data.mixture",
+    "PackedDataset": "tapetrain.data.packed",
+    "Tokenizer": "tapetrain.data.tokenizer",
+    "open_dataset": "tapetrain.data.stream",
+    "train_tokenizer": "tapetrain.data.tokenizer",
+}
+
+__all__ = ["DataError", *_EXPORTS]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'tapetrain.data' has no attribute {name!r}")

@@ -1,0 +1,121 @@
+"""BatchIterator: one global, seeded sample order sliced per data-parallel rank; resume is O(1).
+
+Global sample slots g = 0, 1, 2, ... map to dataset indices through SampleOrder (tapetrain.data.order).
+With G = global_batch_size, mb = micro_batch_size, W = world_size: optimizer step s owns slots
+[s*G, (s+1)*G); its micro-step m on rank r reads slots s*G + (m*W + r)*mb + [0, mb). The samples of a step
+are therefore the same for any W at the same G, and the whole state is `consumed_samples` (global samples of
+completed optimizer steps): a restarted run sets it and continues exactly, with no replay.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+from tapetrain.data.errors import DataError
+from tapetrain.data.order import SampleOrder
+
+STATE_VERSION = 1
+
+
+def _positive(name: str, value: int) -> int:
+    if isinstance(value, bool) or int(value) != value or value < 1:
+        raise DataError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+class BatchIterator:
+    """Deterministic shuffled global sample order, sliced per data-parallel rank."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        global_batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        consumed_samples: int = 0,
+    ):
+        self.global_batch_size = _positive("train.global_batch_size", global_batch_size)
+        self.micro_batch_size = _positive("train.micro_batch_size", micro_batch_size)
+        self.world_size = _positive("world_size", world_size)
+        if not 0 <= rank < self.world_size:
+            raise DataError(f"rank {rank} is outside [0, world_size={world_size})")
+        if int(seed) < 0:
+            raise DataError(f"data seed must be >= 0, got {seed}")
+        if consumed_samples < 0:
+            raise DataError(f"consumed_samples must be >= 0, got {consumed_samples}")
+        per_micro_step = self.micro_batch_size * self.world_size
+        if self.global_batch_size % per_micro_step:
+            valid = max(per_micro_step, round(self.global_batch_size / per_micro_step) * per_micro_step)
+            raise DataError(
+                f"train.global_batch_size={global_batch_size} is not divisible by train.micro_batch_size="
+                f"{micro_batch_size} x world_size={world_size} = {per_micro_step}; set "
+                f"train.global_batch_size to a multiple of {per_micro_step} (e.g. {valid}) or change "
+                "train.micro_batch_size"
+            )
+        self.grad_accum_steps = self.global_batch_size // per_micro_step
+        self.dataset, self.rank, self.seed, self.shuffle = dataset, rank, int(seed), shuffle
+        self.num_samples = int(dataset.num_samples)
+        self._order = SampleOrder(self.num_samples, self.seed, shuffle)
+        self.consumed_samples = int(consumed_samples)
+        self._micro_step = 0  # micro-steps of the current (uncompleted) optimizer step already returned
+
+    @property
+    def epoch(self) -> int:
+        return self.consumed_samples // self.num_samples
+
+    def micro_batch_indices(self) -> np.ndarray:
+        """Dataset indices (micro_batch_size,) of the next micro batch, without advancing."""
+        mb = self.micro_batch_size
+        first = self.consumed_samples + (self._micro_step * self.world_size + self.rank) * mb
+        return self._order(np.arange(first, first + mb, dtype=np.int64))
+
+    def next_micro_batch(self) -> torch.Tensor:
+        """(micro_batch_size, seq_len + 1) int64; after grad_accum_steps calls the step is complete."""
+        batch = np.stack([self.dataset[int(i)] for i in self.micro_batch_indices()])
+        self._micro_step += 1
+        if self._micro_step == self.grad_accum_steps:
+            self._micro_step = 0
+            self.consumed_samples += self.global_batch_size
+        return torch.from_numpy(batch)
+
+    def __iter__(self) -> BatchIterator:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return self.next_micro_batch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """State at the last completed optimizer step (a partially consumed step is redone after resume)."""
+        return {
+            "version": STATE_VERSION,
+            "consumed_samples": self.consumed_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_samples": self.num_samples,
+            "global_batch_size": self.global_batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """O(1): continue at state["consumed_samples"]; the order must come from the same seed/shuffle."""
+        if "consumed_samples" not in state:
+            raise DataError(f"data state {state} has no consumed_samples; pass the dict from state_dict()")
+        if state.get("seed", self.seed) != self.seed or state.get("shuffle", self.shuffle) != self.shuffle:
+            raise DataError(
+                f"checkpoint data order used seed={state.get('seed')} shuffle={state.get('shuffle')} but "
+                f"this run has seed={self.seed} shuffle={self.shuffle}; set data.seed={state.get('seed')} "
+                "to resume exactly"
+            )
+        if state.get("num_samples", self.num_samples) != self.num_samples:
+            warnings.warn(
+                f"checkpoint data had {state['num_samples']} samples, this dataset has {self.num_samples}: "
+                "the data changed, so the resumed order differs from the original run", stacklevel=2)
+        self.consumed_samples = int(state["consumed_samples"])
+        self._micro_step = 0

@@ -1,0 +1,255 @@
+"""Tokenize a corpus into fixed-size token shards plus manifest.json (layout: tapetrain.data.format).
+
+Determinism: documents are read in input order (globs sorted) and numbered 0, 1, 2, ...; tokenizing runs in
+`workers` processes on chunks of documents whose results are consumed strictly in submission order, so the
+shards are byte-identical for any number of workers. Document i goes to "val" iff
+uniform01(i, seed) < val_fraction (a counter-based hash, tapetrain.data.hashing), else to "train".
+
+Re-running into the same directory:
+  * a finished run (manifest.json present) is never overwritten unless overwrite=True (--overwrite);
+  * a killed run (the `.prepare-incomplete` marker, or shards without a manifest) is not resumed: prepare
+    refuses and asks to delete the directory or pass overwrite=True, which removes only prepare's own files.
+A run failing with an exception (bad input, Ctrl-C) removes its own files again. Shards and the manifest are
+each written to a temp name and renamed, so no listed file is ever partial.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import multiprocessing as mp
+import os
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from tapetrain.data import format as fmt
+from tapetrain.data.errors import DataError
+from tapetrain.data.hashing import uniform01
+from tapetrain.data.sources import SourceStats, expand_inputs, iter_documents
+from tapetrain.data.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SHARD_TOKENS = 1 << 27  # 128Mi tokens: 256 MiB per uint16 shard
+CHUNK_DOCS = 512  # documents per worker task ...
+CHUNK_CHARS = 1 << 20  # ... or fewer if they already hold this many characters
+
+Chunk = tuple[int, list[str]]  # (index of the first document, texts)
+# (train tokens, train doc lengths, val tokens, val doc lengths); lengths include the EOS
+Encoded = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+class ChunkEncoder:
+    """Tokenizes a chunk, appends EOS, and splits documents into train/val by their global index."""
+
+    def __init__(self, tokenizer_path: str, dtype: str, seed: int, val_fraction: float):
+        self.tok = Tokenizer(tokenizer_path)
+        self.dtype = fmt.DTYPES[dtype]
+        self.seed, self.val_fraction = seed, val_fraction
+
+    def __call__(self, chunk: Chunk) -> Encoded:
+        start, texts = chunk
+        ids = self.tok.encode_batch(texts)
+        eos = self.tok.eos_id
+        lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
+        flat = np.empty(int(lengths.sum()), dtype=self.dtype)
+        pos = 0
+        for x in ids:  # (sum(lengths),) stream: doc0 ids, EOS, doc1 ids, EOS, ...
+            flat[pos:pos + len(x)] = x
+            flat[pos + len(x)] = eos
+            pos += len(x) + 1
+        is_val = uniform01(np.arange(start, start + len(texts)), self.seed) < self.val_fraction
+        if not is_val.any():
+            empty = np.empty(0, dtype=self.dtype)
+            return flat, lengths, empty, np.empty(0, dtype=np.int64)
+        doc_of_token = np.repeat(is_val, lengths)
+        return flat[~doc_of_token], lengths[~is_val], flat[doc_of_token], lengths[is_val]
+
+
+_worker_encoder: ChunkEncoder | None = None
+
+
+def _init_worker(*args: Any) -> None:
+    global _worker_encoder
+    _worker_encoder = ChunkEncoder(*args)
+
+
+def _encode_in_worker(chunk: Chunk) -> Encoded:
+    assert _worker_encoder is not None
+    return _worker_encoder(chunk)
+
+
+def _chunks(docs: Iterable[str]) -> Iterator[Chunk]:
+    texts: list[str] = []
+    chars, start = 0, 0
+    for text in docs:
+        texts.append(text)
+        chars += len(text)
+        if len(texts) >= CHUNK_DOCS or chars >= CHUNK_CHARS:
+            yield start, texts
+            start += len(texts)
+            texts, chars = [], 0
+    if texts:
+        yield start, texts
+
+
+def _encode_all(chunks: Iterator[Chunk], encoder_args: tuple, workers: int) -> Iterator[tuple[int, Encoded]]:
+    """Yield (num_docs, encoded) per chunk, in input order.
+
+    With workers > 1 a bounded window of tasks is kept in flight (not Pool.imap, whose feeder thread would
+    read the whole corpus into memory ahead of the tokenizers). ProcessPoolExecutor rather than Pool because
+    a worker dying at start-up raises BrokenProcessPool instead of hanging in a respawn loop.
+    """
+    if workers == 1:
+        encoder = ChunkEncoder(*encoder_args)
+        for chunk in chunks:
+            yield len(chunk[1]), encoder(chunk)
+        return
+    # spawn: the parent may hold threads (torch, tqdm) that make fork unsafe.
+    with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=encoder_args) as pool:
+        pending: deque = deque()
+        try:
+            for chunk in chunks:
+                pending.append((len(chunk[1]), pool.submit(_encode_in_worker, chunk)))
+                if len(pending) >= 2 * workers:
+                    n, future = pending.popleft()
+                    yield n, future.result()
+            while pending:
+                n, future = pending.popleft()
+                yield n, future.result()
+        finally:
+            for _, future in pending:  # on error/interrupt: do not tokenize the rest
+                future.cancel()
+
+
+def _own_files(out_dir: str) -> list[str]:
+    patterns = [f"{split}-[0-9]*.bin" for split in fmt.SPLITS] + [".*.tmp"]
+    return sorted(p for pat in patterns for p in glob.glob(os.path.join(out_dir, pat)))
+
+
+def _claim_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse to clobber a finished or interrupted run unless overwrite; then mark the run as in progress."""
+    manifest = os.path.join(out_dir, fmt.MANIFEST)
+    marker = os.path.join(out_dir, fmt.INCOMPLETE_MARKER)
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise DataError(f"--out {out_dir} is a file, not a directory; choose another --out")
+    os.makedirs(out_dir, exist_ok=True)
+    if not overwrite:
+        if os.path.exists(marker) or (_own_files(out_dir) and not os.path.exists(manifest)):
+            raise DataError(f"out dir {out_dir} contains an incomplete prepare run (resuming is not "
+                            "supported); delete it or pass --overwrite (overwrite=True) to start over")
+        if os.path.exists(manifest):
+            raise DataError(f"out dir {out_dir} already holds a prepared dataset ({fmt.MANIFEST}); choose "
+                            "another --out or pass --overwrite (overwrite=True) to replace it")
+    fmt.write_json_atomic(marker, {"pid": os.getpid(), "started": time.time()})
+    if os.path.exists(manifest):
+        os.remove(manifest)
+    for path in _own_files(out_dir):
+        os.remove(path)
+
+
+def _remove_run(out_dir: str) -> None:
+    for path in [*_own_files(out_dir), os.path.join(out_dir, fmt.INCOMPLETE_MARKER)]:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def _write_shards(sources: list[str], tok: Tokenizer, dtype: str, out_dir: str, text_key: str,
+                  val_fraction: float, workers: int, shard_tokens: int, skip_bad: bool, seed: int,
+                  progress: bool, stats: SourceStats) -> dict[str, Any]:
+    """Read, tokenize and shard everything; return the manifest's "splits" entry."""
+    writers = {split: fmt.ShardWriter(out_dir, split, dtype, shard_tokens) for split in fmt.SPLITS}
+    docs = (doc.text for doc in iter_documents(sources, text_key=text_key, skip_bad=skip_bad, stats=stats))
+    bar = tqdm(desc="prepare", unit="doc", unit_scale=True, disable=not progress, dynamic_ncols=True)
+    t0, tokens = time.perf_counter(), 0
+    with bar:
+        encoded = _encode_all(_chunks(docs), (tok.path, dtype, seed, val_fraction), workers)
+        for ndocs, (tr, tr_len, va, va_len) in encoded:
+            writers["train"].add(tr, tr_len)
+            writers["val"].add(va, va_len)
+            tokens += len(tr) + len(va)
+            bar.update(ndocs)
+            rate = tokens / max(time.perf_counter() - t0, 1e-9)
+            bar.set_postfix_str(f"{rate / 1e6:.2f}M tok/s", refresh=False)
+    splits = {split: w.close() for split, w in writers.items()}
+    if splits["train"]["num_tokens"] == 0:
+        raise DataError(f"no document landed in the train split (val_fraction={val_fraction}); lower "
+                        "--val-fraction or add documents")
+    return splits
+
+
+def prepare(
+    inputs: str | list[str],
+    tokenizer_path: str,
+    out_dir: str,
+    text_key: str = "text",
+    val_fraction: float = 0.0,
+    workers: int = 1,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    skip_bad: bool = False,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Tokenize `inputs` (globs or hf:NAME[:CONFIG][:SPLIT]) into shards in `out_dir`; return the manifest.
+
+    Every document gets one EOS appended (counted in num_tokens). Bad records raise DataError naming file and
+    line unless skip_bad, in which case they are counted (manifest "skipped_records") and logged at the end.
+    See the module docstring for determinism and re-run behaviour.
+    """
+    if not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}; e.g. 0.005")
+    if workers < 1:
+        raise DataError(f"--workers must be >= 1, got {workers}")
+    tok = Tokenizer(tokenizer_path)
+    if tok.eos_id < 0:
+        raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS, "
+                        "so use a model trained with eos_id >= 0 (e.g. `tapetrain tokenizer train`)")
+    dtype = fmt.token_dtype(tok.vocab_size)
+    sources = expand_inputs(inputs)  # fail on bad globs before touching out_dir
+    out_dir = os.path.abspath(out_dir)
+    _claim_out_dir(out_dir, overwrite)
+
+    stats = SourceStats()
+    try:
+        splits = _write_shards(sources, tok, dtype, out_dir, text_key, val_fraction, workers, shard_tokens,
+                               skip_bad, seed, progress, stats)
+    except BaseException:  # bad input, Ctrl-C, worker crash: remove this run's files, then re-raise
+        _remove_run(out_dir)
+        raise
+    if val_fraction > 0 and splits["val"]["num_tokens"] == 0:
+        log.warning("val_fraction=%s but no document was assigned to val (only %d documents)", val_fraction,
+                    stats.documents)
+
+    manifest = {
+        "format": fmt.FORMAT_NAME,
+        "version": fmt.FORMAT_VERSION,
+        "tokenizer": {"path": tok.path, "sha256": tok.checksum},
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype,
+        "bos_id": tok.bos_id,
+        "eos_id": tok.eos_id,
+        "inputs": sources,
+        "text_key": text_key,
+        "val_fraction": val_fraction,
+        "seed": seed,
+        "shard_tokens": shard_tokens,
+        "num_tokens": sum(s["num_tokens"] for s in splits.values()),
+        "num_documents": sum(s["num_documents"] for s in splits.values()),
+        "skipped_records": stats.skipped,
+        "empty_documents": stats.empty,
+        "splits": splits,
+    }
+    fmt.write_json_atomic(os.path.join(out_dir, fmt.MANIFEST), manifest)
+    os.remove(os.path.join(out_dir, fmt.INCOMPLETE_MARKER))
+    log.info("prepare: %s; %d tokens", stats.summary(), manifest["num_tokens"])
+    if stats.skipped:
+        log.warning("prepare skipped %d bad records (first: %s)", stats.skipped, " | ".join(stats.examples))
+    return manifest

@@ -1,0 +1,125 @@
+"""SentencePiece tokenizer: training (BPE, byte fallback, Llama-style ids) and an encode/decode wrapper.
+
+Any sentencepiece .model file (ours or e.g. Llama-2's tokenizer.model) loads through `Tokenizer`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+
+import sentencepiece as spm
+
+from tapetrain.data.errors import DataError
+from tapetrain.data.format import file_sha256
+from tapetrain.data.sources import SourceStats, iter_documents
+
+# sentencepiece silently drops training lines longer than this (bytes); long documents are split on newlines.
+_MAX_SENTENCE_BYTES = 1 << 16
+
+
+class Tokenizer:
+    """Wraps `sentencepiece.SentencePieceProcessor`; ids never include BOS/EOS unless the caller adds them."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise DataError(
+                f"tokenizer model {path} does not exist; train one with `tapetrain tokenizer train "
+                "--input ... --vocab-size N --out tok.model` or pass an existing sentencepiece .model"
+            )
+        self.path = os.path.abspath(path)
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.Load(self.path)
+        except (OSError, RuntimeError) as err:
+            raise DataError(
+                f"{path} is not a sentencepiece model ({err}); pass a .model file written by sentencepiece "
+                "(e.g. by `tapetrain tokenizer train`, or Llama-2's tokenizer.model)"
+            ) from err
+        self.checksum = file_sha256(self.path)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.GetPieceSize()
+
+    @property
+    def bos_id(self) -> int:
+        return self._sp.bos_id()  # -1 when the model has none
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.Encode(text, out_type=int)
+
+    def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
+        """Batch encode; num_threads=1 keeps one core per prepare worker."""
+        return self._sp.Encode(list(texts), out_type=int, num_threads=num_threads)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.Decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer({self.path!r}, vocab_size={self.vocab_size})"
+
+
+def train_tokenizer(
+    inputs: list[str],
+    vocab_size: int,
+    out: str,
+    text_key: str = "text",
+    max_sentences: int | None = None,
+) -> str:
+    """Train a BPE sentencepiece model on the documents of `inputs` (same readers as prepare); return `out`.
+
+    Llama-style ids: unk=0, bos=1, eos=2, no pad; byte_fallback so any UTF-8 text round-trips; identity
+    normalization and no whitespace collapsing so decode(encode(text)) == text. Documents are written one line
+    per text line to a temp file (sentencepiece trains on lines). `max_sentences` caps the lines sentencepiece
+    samples (input_sentence_size, shuffled). The .model is written next to `out` and renamed into place.
+    """
+    if vocab_size < 260:
+        raise DataError(f"--vocab-size {vocab_size} is too small: byte_fallback needs 256 byte pieces + 3 "
+                        "specials; use at least 260 (e.g. 32000)")
+    out = os.path.abspath(out)
+    out_dir = os.path.dirname(out)
+    os.makedirs(out_dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".tok-train-", dir=out_dir)  # same filesystem -> os.replace is atomic
+    try:
+        corpus = os.path.join(work, "corpus.txt")
+        stats = SourceStats()
+        with open(corpus, "w", encoding="utf-8") as f:
+            for doc in iter_documents(inputs, text_key=text_key, stats=stats):
+                for line in doc.text.splitlines():
+                    if line.strip():
+                        f.write(line + "\n")
+        options = dict(
+            input=corpus,
+            model_prefix=os.path.join(work, "tok"),
+            vocab_size=vocab_size,
+            model_type="bpe",
+            byte_fallback=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            split_digits=True,
+            max_sentence_length=_MAX_SENTENCE_BYTES,
+            num_threads=max(1, min(16, os.cpu_count() or 1)),
+            minloglevel=1,
+        )
+        if max_sentences:
+            options.update(input_sentence_size=max_sentences, shuffle_input_sentence=True)
+        try:
+            spm.SentencePieceTrainer.Train(**options)
+        except RuntimeError as err:
+            raise DataError(f"sentencepiece training failed: {err}; if the vocabulary is too large for the "
+                            "corpus, lower --vocab-size or add more text") from err
+        os.replace(os.path.join(work, "tok.model"), out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out

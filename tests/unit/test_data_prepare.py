@@ -1,0 +1,173 @@
+"""Tokenizer training and `prepare`: exact token counts, shard layout, worker determinism, re-run rules."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+import sentencepiece as spm
+
+import tapetrain.data.prepare as prepare_module
+from tapetrain.data import format as fmt
+from tapetrain.data.cli import add_prepare_parser, add_tokenizer_parser
+from tapetrain.data.errors import DataError
+from tapetrain.data.prepare import prepare
+from tapetrain.data.tokenizer import Tokenizer, train_tokenizer
+
+VOCAB = 400
+
+
+def make_docs(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    syllables = ["ka", "to", "ri", "mu", "sen", "lo", "pa", "qui", "dor", "ve", "ny", "zä"]
+    words = ["".join(rng.choice(syllables) for _ in range(rng.randint(1, 3))) for _ in range(200)]
+    def line() -> str:
+        return " ".join(rng.choice(words) for _ in range(rng.randint(2, 12))) + f". {rng.randint(0, 999)}"
+
+    return ["\n".join(line() for _ in range(rng.randint(1, 3))) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("prep")
+    docs = make_docs(240)
+    path = root / "corpus.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs), encoding="utf-8")
+    tok = train_tokenizer([str(path)], VOCAB, str(root / "tok.model"))
+    return {"root": root, "docs": docs, "jsonl": str(path), "tok": tok}
+
+
+def shard_bytes(out_dir) -> dict[str, bytes]:
+    names = sorted(f for f in os.listdir(out_dir) if f.endswith(".bin"))
+    return {f: open(os.path.join(out_dir, f), "rb").read() for f in names}
+
+
+def test_tokenizer_ids_roundtrip_and_checksum(corpus):
+    tok = Tokenizer(corpus["tok"])
+    assert (tok.vocab_size, tok.bos_id, tok.eos_id) == (VOCAB, 1, 2)
+    text = "kato   ri\n\tunseen ✓ 12"  # byte fallback + identity normalization: exact round trip
+    ids = tok.encode(text)
+    assert tok.bos_id not in ids and tok.eos_id not in ids
+    assert tok.decode(ids) == text
+    assert tok.checksum == hashlib.sha256(open(corpus["tok"], "rb").read()).hexdigest()
+    assert not any(name.startswith(".tok-train") for name in os.listdir(corpus["root"]))  # temp dir cleaned
+
+
+def test_tokenizer_errors(tmp_path, corpus):
+    with pytest.raises(DataError, match="does not exist; train one with `tapetrain tokenizer train"):
+        Tokenizer(str(tmp_path / "missing.model"))
+    (tmp_path / "junk.model").write_bytes(b"not a model")
+    with pytest.raises(DataError, match="is not a sentencepiece model"):
+        Tokenizer(str(tmp_path / "junk.model"))
+    with pytest.raises(DataError, match="lower --vocab-size"):
+        train_tokenizer([corpus["jsonl"]], 50_000, str(tmp_path / "big.model"))
+
+
+def test_manifest_counts_match_sentencepiece(corpus, tmp_path):
+    out = tmp_path / "out"
+    manifest = prepare([corpus["jsonl"]], corpus["tok"], str(out), shard_tokens=500, progress=False)
+    sp = spm.SentencePieceProcessor(model_file=corpus["tok"])
+    expected = [sp.encode(d) + [sp.eos_id()] for d in corpus["docs"]]
+    assert manifest["num_tokens"] == sum(map(len, expected))
+    assert manifest["num_documents"] == len(corpus["docs"])
+    ids = (manifest["vocab_size"], manifest["dtype"], manifest["eos_id"], manifest["bos_id"])
+    assert ids == (VOCAB, "uint16", 2, 1)
+    assert manifest["tokenizer"]["sha256"] == Tokenizer(corpus["tok"]).checksum
+    shards = manifest["splits"]["train"]["shards"]
+    assert all(s["num_tokens"] == 500 for s in shards[:-1]) and 0 < shards[-1]["num_tokens"] <= 500
+    assert sum(s["num_documents"] for s in shards) == len(corpus["docs"])
+    stream = np.concatenate([np.fromfile(out / s["file"], dtype="<u2") for s in shards])
+    assert stream.tolist() == [t for doc in expected for t in doc]
+    for s in shards:
+        assert hashlib.sha256((out / s["file"]).read_bytes()).hexdigest() == s["sha256"]
+    assert json.loads((out / "manifest.json").read_text()) == manifest
+    assert not (out / fmt.INCOMPLETE_MARKER).exists()
+
+
+def test_val_split_is_deterministic_per_document(corpus, tmp_path):
+    def run(name: str, seed: int) -> dict:
+        return prepare([corpus["jsonl"]], corpus["tok"], str(tmp_path / name), val_fraction=0.25, seed=seed,
+                       progress=False)
+
+    a, _, c = run("a", 1), run("b", 1), run("c", 2)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b")
+    assert shard_bytes(tmp_path / "a") != shard_bytes(tmp_path / "c")
+    val_docs = a["splits"]["val"]["num_documents"]
+    assert 0.1 * 240 < val_docs < 0.4 * 240
+    assert val_docs + a["splits"]["train"]["num_documents"] == a["num_documents"] == 240
+    assert a["num_tokens"] == c["num_tokens"]
+
+
+def test_one_and_two_workers_give_identical_shards(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 16)  # many chunks in flight -> ordering is exercised
+    kw = dict(val_fraction=0.1, shard_tokens=700, progress=False)
+    prepare([corpus["jsonl"]], corpus["tok"], str(tmp_path / "w1"), workers=1, **kw)
+    prepare([corpus["jsonl"]], corpus["tok"], str(tmp_path / "w2"), workers=2, **kw)
+    one, two = shard_bytes(tmp_path / "w1"), shard_bytes(tmp_path / "w2")
+    assert len(one) > 3 and one == two
+
+
+def test_rerun_refuses_then_overwrites(corpus, tmp_path):
+    out = str(tmp_path / "out")
+    prepare([corpus["jsonl"]], corpus["tok"], out, progress=False)
+    with pytest.raises(DataError, match=r"already holds a prepared dataset.*--overwrite"):
+        prepare([corpus["jsonl"]], corpus["tok"], out, progress=False)
+    # simulate an interrupted run: marker present, a stale extra shard and a temp file left behind
+    open(os.path.join(out, fmt.INCOMPLETE_MARKER), "w").close()
+    open(os.path.join(out, "train-00099.bin"), "wb").close()
+    open(os.path.join(out, ".train-00100.bin.tmp"), "wb").close()
+    with pytest.raises(DataError, match=r"contains an incomplete prepare run.*delete it or pass --overwrite"):
+        prepare([corpus["jsonl"]], corpus["tok"], out, progress=False)
+    manifest = prepare([corpus["jsonl"]], corpus["tok"], out, overwrite=True, progress=False)
+    assert sorted(f for f in os.listdir(out)) == sorted(
+        ["manifest.json"] + [s["file"] for s in manifest["splits"]["train"]["shards"]])
+
+
+def test_shards_without_manifest_count_as_incomplete(corpus, tmp_path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "train-00000.bin").write_bytes(b"\0\0")
+    with pytest.raises(DataError, match="incomplete prepare run"):
+        prepare([corpus["jsonl"]], corpus["tok"], str(tmp_path / "out"), progress=False)
+
+
+def test_skip_bad_is_counted_in_manifest(corpus, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "kato ri"}\n{oops\n{"text": "mu sen"}\n')
+    with pytest.raises(DataError, match=r"bad\.jsonl:2: malformed JSON"):
+        prepare([str(bad)], corpus["tok"], str(tmp_path / "o1"), progress=False)
+    assert os.listdir(tmp_path / "o1") == []  # a failed run removes its files: no --overwrite needed
+    manifest = prepare([str(bad)], corpus["tok"], str(tmp_path / "o2"), skip_bad=True, progress=False)
+    assert manifest["skipped_records"] == 1 and manifest["num_documents"] == 2
+
+
+def test_bad_arguments(corpus, tmp_path):
+    with pytest.raises(DataError, match="--val-fraction must be in"):
+        prepare([corpus["jsonl"]], corpus["tok"], str(tmp_path / "o"), val_fraction=1.0)
+    with pytest.raises(DataError, match="matches no file"):
+        prepare([str(tmp_path / "none*.jsonl")], corpus["tok"], str(tmp_path / "o"))
+    assert not (tmp_path / "o").exists()  # nothing touched before the inputs were validated
+
+
+def test_cli_parsers(corpus, tmp_path, capsys):
+    parser = argparse.ArgumentParser(prog="tapetrain")
+    sub = parser.add_subparsers(dest="command")
+    add_tokenizer_parser(sub)
+    add_prepare_parser(sub)
+    tok = str(tmp_path / "cli.model")
+    args = parser.parse_args(
+        ["tokenizer", "train", "--input", corpus["jsonl"], "--vocab-size", "300", "--out", tok])
+    assert args.func(args) == 0 and Tokenizer(tok).vocab_size == 300
+    out = str(tmp_path / "cli_out")
+    argv = ["prepare", "--input", corpus["jsonl"], "--tokenizer", tok, "--out", out, "--val-fraction", "0.1",
+            "--workers", "1", "--text-key", "text"]
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0 and os.path.exists(os.path.join(out, "manifest.json"))
+    args = parser.parse_args(argv)  # second run: refused with exit code 1 and the reason on stderr
+    assert args.func(args) == 1 and "--overwrite" in capsys.readouterr().err
+    args = parser.parse_args(argv + ["--overwrite", "--skip-bad"])
+    assert args.func(args) == 0
