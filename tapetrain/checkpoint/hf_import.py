@@ -1,0 +1,159 @@
+"""Import a Hugging Face Llama checkpoint into tapetrain's Transformer, with any positional encoding.
+
+`load_hf_llama(dir, pe="tape")` is the Llama-2 retrofit: the Llama weights load by the key table, TAPE's own
+parameters keep their init (W_A = W_down = 0), so the TAPE model reproduces the original logits at step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+
+from tapetrain.checkpoint.hf_keys import IGNORED_HF_KEYS, from_hf_key
+from tapetrain.model import ModelConfig, Transformer
+
+log = logging.getLogger("tapetrain.checkpoint")
+
+WEIGHT_FILES = (  # in order of preference; an index names the shards
+    "model.safetensors.index.json",
+    "model.safetensors",
+    "pytorch_model.bin.index.json",
+    "pytorch_model.bin",
+)
+
+
+def _rope_settings(hf: dict) -> tuple[float, float]:
+    """(rope_theta, pi_factor) from config.json: transformers 5 nests them in `rope_parameters`, 4.x uses
+    `rope_theta` + `rope_scaling`."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return theta, 1.0
+    if kind == "linear":
+        return theta, float(params.get("factor", scaling.get("factor", 1.0)))
+    raise ValueError(
+        f"config.json rope scaling type {kind!r} is not supported (tapetrain has linear interpolation only); "
+        "convert from a checkpoint with default or linear RoPE scaling"
+    )
+
+
+def config_from_hf(hf: dict, pe: str = "rope", **model_overrides) -> ModelConfig:
+    """A ModelConfig for a Hugging Face Llama config.json dict; `model_overrides` are ModelConfig fields."""
+    model_type = hf.get("model_type")
+    if model_type != "llama":
+        raise ValueError(f"config.json has model_type={model_type!r}; only Llama checkpoints (model_type 'llama') "
+                         "can be imported")
+    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if hf.get(key, ok) != ok:
+            raise ValueError(f"config.json {key}={hf[key]!r} is not supported (tapetrain's decoder has {key}={ok!r})")
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    if head_dim * heads != hf["hidden_size"]:
+        raise ValueError(f"config.json head_dim={head_dim} with {heads} heads != hidden_size={hf['hidden_size']}; "
+                         "tapetrain needs head_dim = hidden_size / num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    theta, pi_factor = _rope_settings(hf)
+    values = dict(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=None if kv_heads == heads else kv_heads,
+        ffn_hidden=hf["intermediate_size"],
+        max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        pi_factor=pi_factor,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        pe=pe,
+    )
+    values.update(model_overrides)
+    return ModelConfig.from_dict(values)
+
+
+def find_weight_files(hf_dir: str) -> list[str]:
+    """The weight files of a checkpoint directory (several when sharded), in load order."""
+    for name in WEIGHT_FILES:
+        path = os.path.join(hf_dir, name)
+        if not os.path.isfile(path):
+            continue
+        if name.endswith(".index.json"):
+            with open(path) as f:
+                shards = sorted(set(json.load(f)["weight_map"].values()))
+            missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
+            if missing:
+                raise FileNotFoundError(f"{path} names shard(s) that do not exist: {', '.join(missing)}; "
+                                        "copy the complete checkpoint")
+            return [os.path.join(hf_dir, s) for s in shards]
+        return [path]
+    raise FileNotFoundError(f"no weights in {hf_dir}: expected one of {', '.join(WEIGHT_FILES)}")
+
+
+def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every weight file, one file in memory at a time."""
+    for path in files:
+        if path.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            yield from state.items()
+            del state
+
+
+def load_hf_llama(hf_dir: str, pe: str = "rope", **model_overrides) -> Transformer:
+    """A Transformer (fp32, eval mode) holding a Hugging Face Llama checkpoint's weights.
+
+    `pe` picks the positional encoding; TAPE/FIRE parameters are not in a Llama checkpoint and keep their init
+    (zero W_A and W_down, so a TAPE retrofit computes exactly what the Llama model computes).
+    """
+    config_path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} does not exist; model.init_from must be a Hugging Face Llama "
+                                "checkpoint directory (config.json + safetensors or .bin weights)")
+    with open(config_path) as f:
+        cfg = config_from_hf(json.load(f), pe, **model_overrides)
+    model = Transformer(cfg)
+    params = dict(model.state_dict(keep_vars=True))
+    loaded: set[str] = set()
+    unexpected: list[str] = []
+    shape_errors: list[str] = []
+    with torch.no_grad():
+        for hf_name, tensor in iter_weights(find_weight_files(hf_dir)):
+            if IGNORED_HF_KEYS.match(hf_name):
+                continue
+            name = from_hf_key(hf_name)
+            if name is None or name not in params:
+                unexpected.append(hf_name)
+                continue
+            if tuple(tensor.shape) != tuple(params[name].shape):
+                shape_errors.append(f"{hf_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(params[name].shape)}")
+                continue
+            params[name].copy_(tensor)
+            loaded.add(name)
+    if cfg.tie_embeddings and "embed.weight" in loaded:
+        loaded.add("lm_head.weight")  # one tensor, saved once
+    # Positional extras are new in the retrofit; everything else must come from the checkpoint.
+    missing = [n for n in params if n not in loaded and "tape" not in n and not n.startswith("pe.")]
+    if unexpected or missing or shape_errors:
+        problems = []
+        if missing:
+            problems.append(f"missing from the checkpoint: {', '.join(missing)}")
+        if unexpected:
+            problems.append(f"unexpected (no tapetrain parameter): {', '.join(sorted(unexpected))}")
+        if shape_errors:
+            problems.append(f"shape mismatch: {'; '.join(shape_errors)}")
+        raise ValueError(f"cannot load {hf_dir} into a tapetrain {cfg.pe} model: " + " | ".join(problems)
+                         + "; check that config.json matches the weights (a Llama-architecture checkpoint)")
+    log.info("loaded %s into a %s model (%d tensors; %d new positional parameters keep their init)",
+             hf_dir, cfg.pe, len(loaded), len([n for n in params if n not in loaded]))
+    return model.eval()

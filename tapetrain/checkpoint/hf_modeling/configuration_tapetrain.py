@@ -1,0 +1,73 @@
+"""Configuration of a tapetrain decoder exported to Hugging Face format (loaded with trust_remote_code=True).
+
+Self-contained: copied next to the weights by `tapetrain export-hf`; it must not import tapetrain.
+Field names follow Llama's where the meaning is the same (hidden_size, num_hidden_layers, ...).
+"""
+
+try:  # transformers >= 5
+    from transformers import PreTrainedConfig
+except ImportError:  # transformers 4.x
+    from transformers import PretrainedConfig as PreTrainedConfig
+
+POSITIONAL_ENCODINGS = ("tape", "rope", "nope", "alibi", "randpe", "xpos", "fire")
+
+
+class TapetrainConfig(PreTrainedConfig):
+    model_type = "tapetrain"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 768,
+        intermediate_size: int = 2048,
+        num_hidden_layers: int = 12,
+        num_attention_heads: int = 12,
+        num_key_value_heads: int | None = None,
+        max_position_embeddings: int = 1024,  # the training context; longer inputs run (extrapolation)
+        rms_norm_eps: float = 1e-5,
+        pe: str = "tape",  # tape, rope, nope, alibi, randpe, xpos or fire
+        rope_theta: float = 10000.0,
+        pi_factor: float = 1.0,  # linear position interpolation: positions are divided by this
+        tape_attn_update: bool = True,  # TAPE: E += (A·E) W_A
+        tape_mlp_update: bool = True,  # TAPE: E += W_down(SiLU(W_x m) ⊙ W_up E)
+        tape_channels: int | None = None,  # TAPE: MLP-update channels I (None = 4 · heads)
+        tape_head_mix: str = "full",  # TAPE: W_A as a full heads×heads matrix or a per-head 'gain'
+        xpos_scale_base: float = 512.0,
+        fire_hidden: int = 32,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = False,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        **kwargs,
+    ):
+        if pe not in POSITIONAL_ENCODINGS:
+            raise ValueError(f"pe={pe!r} is not one of {', '.join(POSITIONAL_ENCODINGS)}")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = hidden_size // num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.rms_norm_eps = rms_norm_eps
+        self.pe = pe
+        self.rope_theta = rope_theta
+        self.pi_factor = pi_factor
+        self.tape_attn_update = tape_attn_update
+        self.tape_mlp_update = tape_mlp_update
+        self.tape_channels = tape_channels
+        self.tape_head_mix = tape_head_mix
+        self.xpos_scale_base = xpos_scale_base
+        self.fire_hidden = fire_hidden
+        self.initializer_range = initializer_range
+        # Passed up, not set here: transformers 4.x's base __init__ would overwrite them with its defaults.
+        super().__init__(
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            **kwargs,
+        )

@@ -1,0 +1,98 @@
+"""One interface over the two kinds of MODEL the eval tools take: a Hugging Face export or a run directory."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("tapetrain.eval")
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class EvalModel:
+    """A causal LM ready for evaluation. `kind` is 'hf' (transformers model) or 'run' (tapetrain Transformer)."""
+
+    module: torch.nn.Module
+    kind: str
+    name: str
+    vocab_size: int
+    max_seq_len: int
+    tokenizer: str | None
+    device: torch.device
+    dtype: str
+
+    @torch.no_grad()
+    def logits(self, ids: torch.Tensor, keep_last: int | None = None) -> torch.Tensor:
+        """ids (B, T) -> logits (B, T, V), or of the last `keep_last` positions only (B, keep_last, V)."""
+        ids = ids.to(self.device)
+        if self.kind == "hf":
+            keep = keep_last or 0
+            return self.module(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+        out = self.module(ids).logits
+        return out[:, -keep_last:] if keep_last else out
+
+    @torch.no_grad()
+    def generate_greedy(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+        """ids (1, T) -> the (new_tokens,) greedy continuation, decoded with a KV cache."""
+        ids = ids.to(self.device)
+        if self.kind == "hf":
+            mask = torch.ones_like(ids)
+            out = self.module.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                do_sample=False, use_cache=True, pad_token_id=0,
+            )
+        else:
+            out = self.module.generate(ids, new_tokens)
+        return out[0, ids.shape[1]:].cpu()
+
+
+def eval_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def _tokenizer_in(directory: str) -> str | None:
+    path = os.path.join(directory, "tokenizer.model")
+    return path if os.path.isfile(path) else None
+
+
+def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, device: torch.device | None = None
+                    ) -> EvalModel:
+    """Load MODEL: a run/checkpoint directory (via run_loader, newest complete checkpoint or `step`) or a Hugging
+    Face model directory (transformers; trust_remote_code for tapetrain's non-RoPE exports)."""
+    from tapetrain.checkpoint.run_loader import is_run_or_checkpoint, load_run_model
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    device = device or eval_device()
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model {path} does not exist; pass a Hugging Face export directory (tapetrain "
+                                "export-hf) or a run directory")
+    if is_run_or_checkpoint(path):
+        model, info = load_run_model(path, step)
+        model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+        name = f"{path}@step{info['step']}"
+        return EvalModel(model, "run", name, model.cfg.vocab_size, model.cfg.max_seq_len, info["tokenizer"],
+                         device, dtype)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{path} is neither a run directory (no checkpoints/) nor a Hugging Face model "
+                                "(no config.json); pass a run directory or an export-hf output")
+    if step is not None:
+        raise ValueError("--step applies to run directories only; a Hugging Face export holds one step")
+    from transformers import AutoModelForCausalLM
+
+    with open(config_path) as f:
+        config = json.load(f)
+    remote = "auto_map" in config  # tapetrain's non-RoPE exports ship their modeling code
+    model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote, dtype=DTYPES[dtype])
+    model = model.to(device).eval()
+    return EvalModel(model, "hf", path, int(config["vocab_size"]), int(config.get("max_position_embeddings", 0)),
+                     _tokenizer_in(path), device, dtype)

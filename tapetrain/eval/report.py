@@ -1,0 +1,109 @@
+"""Result files, tables and plots of the eval tools."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+
+def write_json_atomic(path: str, obj: dict) -> None:
+    """Write JSON to a temp file in the same directory, then rename: readers never see a partial file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def read_json(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"result file {path} does not exist; pass JSON files written with --out")
+    with open(path) as f:
+        report = json.load(f)
+    if not isinstance(report, dict) or not isinstance(report.get("results"), list):
+        raise ValueError(f"{path} is not an eval result (no 'results' list); pass JSON files written with --out")
+    return report
+
+
+def format_ppl_table(report: dict) -> str:
+    lines = [f"perplexity of {report['model']} on {report['data']} ({report['protocol']}"
+             + (f", stride {report['stride']}" if report.get("stride") else "") + ")",
+             f"{'length':>8} {'ppl':>12} {'nll':>9} {'tokens':>12} {'windows':>8}"]
+    for r in report["results"]:
+        lines.append(f"{r['length']:>8} {r['ppl']:>12.4f} {r['nll']:>9.4f} {r['tokens']:>12} {r['windows']:>8}")
+    return "\n".join(lines)
+
+
+def format_passkey_table(report: dict) -> str:
+    lines = [f"passkey retrieval of {report['model']} ({report['trials']} trials per length)",
+             f"{'length':>8} {'accuracy':>9} {'correct':>8}"]
+    for r in report["results"]:
+        lines.append(f"{r['length']:>8} {r['accuracy']:>9.3f} {r['correct']:>8}")
+    return "\n".join(lines)
+
+
+def _label(report: dict) -> str:
+    name = os.path.basename(str(report.get("model", "?")).rstrip("/")) or str(report.get("model"))
+    return f"{name} ({report['protocol']})" if "protocol" in report else name
+
+
+def _save_figure(fig, out_png: str) -> None:
+    directory = os.path.dirname(os.path.abspath(out_png))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+        os.replace(tmp, out_png)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _line_plot(reports: list[dict], key: str, ylabel: str, title: str, out_png: str, log_y: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    trained, lengths, values = set(), set(), []
+    for report in reports:
+        rows = sorted(report["results"], key=lambda r: r["length"])
+        ax.plot([r["length"] for r in rows], [r[key] for r in rows], marker="o", label=_label(report))
+        lengths.update(r["length"] for r in rows)
+        values.extend(r[key] for r in rows)
+        if report.get("trained_context"):
+            trained.add(report["trained_context"])
+    for ctx in sorted(trained):
+        ax.axvline(ctx, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(lengths), [str(n) for n in sorted(lengths)])  # plain token counts, not 2^k
+    ax.minorticks_off()
+    if log_y and values and min(values) > 0 and max(values) / min(values) > 10:  # log only for wide ranges
+        ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save_figure(fig, out_png)
+    plt.close(fig)
+
+
+def plot_ppl(results: list[dict], out_png: str) -> None:
+    """PPL vs context length, one line per eval-ppl result dict (dotted lines mark the training contexts)."""
+    _line_plot(results, "ppl", "perplexity", "Perplexity vs context length", out_png, log_y=True)
+
+
+def plot_passkey(results: list[dict], out_png: str) -> None:
+    """Passkey accuracy vs context length, one line per eval-passkey result dict."""
+    _line_plot(results, "accuracy", "passkey accuracy", "Passkey retrieval", out_png, log_y=False)

@@ -1,0 +1,106 @@
+"""Evaluation token streams: a flat .bin (LongLoRA layout), a prepared shard directory, or text to tokenize."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from tapetrain.data.errors import DataError
+
+log = logging.getLogger("tapetrain.eval")
+
+TOKEN_DTYPES = ("uint16", "uint32")
+
+
+@dataclass
+class EvalTokens:
+    """A 1-D token stream: read(start, stop) -> int64 ids; `vocab_size` of the tokenizer when the data says."""
+
+    read: Callable[[int, int], np.ndarray]
+    num_tokens: int
+    description: str
+    vocab_size: int | None = None
+
+    def limited(self, max_tokens: int | None) -> EvalTokens:
+        """The first `max_tokens` tokens only (None = all)."""
+        if max_tokens is None or max_tokens >= self.num_tokens:
+            return self
+        if max_tokens < 1:
+            raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+        return EvalTokens(self.read, max_tokens, f"{self.description} (first {max_tokens} tokens)", self.vocab_size)
+
+    def check_vocab(self, model_vocab: int, block: int = 1 << 22) -> None:
+        """Raise naming the first id >= the model's vocabulary (scans the stream in blocks)."""
+        if self.vocab_size is not None and self.vocab_size > model_vocab:
+            raise ValueError(f"{self.description} was tokenized with a {self.vocab_size}-token vocabulary but the "
+                             f"model has vocab_size={model_vocab}; evaluate with data made by the model's tokenizer")
+        for start in range(0, self.num_tokens, block):
+            part = self.read(start, min(start + block, self.num_tokens))
+            if len(part) and int(part.max()) >= model_vocab:
+                pos = start + int(np.argmax(part >= model_vocab))
+                raise ValueError(f"{self.description} holds token id {int(part.max())} (first bad id at position "
+                                 f"{pos}) >= the model's vocab_size={model_vocab}: the data was made with another "
+                                 "tokenizer or is read with the wrong --token-dtype")
+
+
+def _open_shards(path: str, token_dtype: str | None) -> EvalTokens:
+    from tapetrain.data.format import load_manifest
+    from tapetrain.data.packed import PackedDataset
+
+    manifest = load_manifest(path)
+    if token_dtype is not None and token_dtype != manifest["dtype"]:
+        raise ValueError(f"dtype mismatch: {path}/manifest.json stores {manifest['dtype']} ids but --token-dtype "
+                         f"{token_dtype} was given; drop --token-dtype (shard directories know their dtype)")
+    has_val = bool(manifest.get("splits", {}).get("val", {}).get("shards"))
+    split = "val" if has_val else "train"
+    data = PackedDataset(path, 1, split=split)
+    return EvalTokens(data.tokens, data.num_tokens, f"{path} ({split} split)", data.vocab_size)
+
+
+def _open_flat(path: str, token_dtype: str | None) -> EvalTokens:
+    from tapetrain.data.flat_tokens import FlatTokenFile
+
+    dtype = token_dtype or "uint16"
+    flat = FlatTokenFile(path, np.dtype(dtype))
+    tokens = flat.tokens
+    return EvalTokens(lambda a, b: np.asarray(tokens[a:b], dtype=np.int64), len(tokens), f"{path} ({dtype})")
+
+
+def _open_text(path: str, tokenizer: str | None) -> EvalTokens:
+    if not tokenizer:
+        raise ValueError(f"{path} is text and needs a tokenizer: pass --tokenizer PATH (a sentencepiece .model), "
+                         "or evaluate a model whose export/run names one")
+    from tapetrain.data.sources import iter_documents
+    from tapetrain.data.tokenizer import Tokenizer
+
+    tok = Tokenizer(tokenizer)
+    ids: list[int] = []
+    for doc in iter_documents(path):
+        ids.extend(tok.encode(doc.text))
+        if tok.eos_id >= 0:
+            ids.append(tok.eos_id)  # documents end with EOS, as `tapetrain prepare` writes them
+    array = np.asarray(ids, dtype=np.int64)
+    log.info("tokenized %s with %s: %d tokens", path, tokenizer, len(array))
+    return EvalTokens(lambda a, b: array[a:b], len(array), f"{path} (tokenized)", tok.vocab_size)
+
+
+def open_eval_tokens(path: str, *, tokenizer: str | None = None, token_dtype: str | None = None) -> EvalTokens:
+    """Open `path`: a directory with manifest.json (val split if present, else train), a flat .bin of
+    `token_dtype` ids (default uint16, the LongLoRA layout), or any text input `tapetrain prepare` reads."""
+    if token_dtype is not None and token_dtype not in TOKEN_DTYPES:
+        raise ValueError(f"--token-dtype {token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"eval data {path} does not exist; pass a flat .bin token file, a `tapetrain "
+                                "prepare` output directory or a text file")
+    try:
+        if os.path.isdir(path):
+            return _open_shards(path, token_dtype)
+        if path.endswith(".bin"):
+            return _open_flat(path, token_dtype)
+        return _open_text(path, tokenizer)
+    except DataError as err:  # name the problem in the eval's terms but keep the data layer's fix
+        raise ValueError(f"eval data: {err}") from err

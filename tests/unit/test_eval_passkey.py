@@ -1,0 +1,70 @@
+"""Passkey retrieval end to end on a tiny model with a tiny sentencepiece tokenizer (accuracy is whatever it is)."""
+
+import argparse
+import json
+
+import pytest
+from test_hf_runs import make_run, train_tiny_tokenizer
+
+from tapetrain.checkpoint.hf_export import export_hf
+from tapetrain.data.tokenizer import Tokenizer
+from tapetrain.eval.cli import add_eval_passkey_parser
+from tapetrain.eval.passkey import MAX_PASS_KEY, build_prompt, key_line, run_eval_passkey
+
+LENGTHS = [128, 256]  # 256 > the tiny model's 128-token context: extrapolation
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("passkey")
+    tokenizer = train_tiny_tokenizer(root / "tok.model")
+    run = make_run(root / "run", "tape", tokenizer=tokenizer)
+    export_hf(str(run), str(root / "hf"))
+    return run, root / "hf", tokenizer
+
+
+def test_prompt_holds_the_key_at_the_stated_position(setup):
+    _, _, tokenizer = setup
+    tok = Tokenizer(tokenizer)
+    positions = set()
+    for trial in range(6):
+        prompt = build_prompt(tok, 256, seed=0, trial=trial)
+        line = tok.encode(key_line(prompt.pass_key))
+        assert prompt.ids[prompt.key_position:prompt.key_position + prompt.key_tokens] == line
+        assert 1 <= prompt.pass_key <= MAX_PASS_KEY and len(prompt.ids) <= 256
+        assert prompt.ids[0] == tok.bos_id and key_line(prompt.pass_key) in tok.decode(prompt.ids)
+        assert prompt.answer_ids == tok.encode(str(prompt.pass_key))
+        positions.add(prompt.key_position)
+        again = build_prompt(tok, 256, seed=0, trial=trial)
+        assert (again.ids, again.pass_key) == (prompt.ids, prompt.pass_key)  # seeded per trial
+    assert len(positions) > 1  # the key moves between trials
+    assert build_prompt(tok, 256, seed=1, trial=0).pass_key != build_prompt(tok, 256, seed=0, trial=0).pass_key
+    with pytest.raises(ValueError, match="too short"):
+        build_prompt(tok, 20, seed=0, trial=0)
+
+
+def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path):
+    run, hf, _ = setup
+    reports = {}
+    for name, model in (("run", run), ("hf", hf)):
+        parser = argparse.ArgumentParser()
+        add_eval_passkey_parser(parser.add_subparsers())
+        args = parser.parse_args(["eval-passkey", str(model), "--lengths", ",".join(map(str, LENGTHS)),
+                                  "--trials", "3", "--out", str(tmp_path / f"{name}.json"),
+                                  "--plot", str(tmp_path / f"{name}.png")])
+        assert args.func(args) == 0
+        reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
+        assert (tmp_path / f"{name}.png").stat().st_size > 1000
+    report = reports["hf"]
+    assert {"model", "tokenizer", "trials", "seed", "results", "prompt_texts"} <= set(report)
+    assert [r["length"] for r in report["results"]] == LENGTHS
+    for result in report["results"]:
+        assert result["trials"] == 3 and len(result["records"]) == 3
+        assert result["accuracy"] == result["correct"] / 3
+        for record in result["records"]:
+            assert {"pass_key", "key_position", "depth", "generated", "correct"} <= set(record)
+            assert record["prompt_tokens"] <= result["length"]
+    # Same prompts and the same greedy answers from the run directory and from its export.
+    assert [r["records"] for r in reports["run"]["results"]] == [r["records"] for r in report["results"]]
+    again = run_eval_passkey(str(hf), LENGTHS, trials=3)
+    assert again["results"] == report["results"]  # deterministic per seed
