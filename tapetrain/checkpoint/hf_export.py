@@ -177,7 +177,8 @@ def write_tokenizer(tokenizer: str | None, out_dir: Path, max_seq_len: int) -> d
     try:
         from transformers import AutoTokenizer
 
-        hf_tok = AutoTokenizer.from_pretrained(str(out_dir))
+        # trust_remote_code: the directory holds our own just-written modeling code (config.json auto_map)
+        hf_tok = AutoTokenizer.from_pretrained(str(out_dir), trust_remote_code=True)
         hf_tok.save_pretrained(str(out_dir))  # adds tokenizer.json: later loads need no conversion
         mismatches = [t for t in TOKENIZER_PROBES if hf_tok(t, add_special_tokens=False)["input_ids"] != sp.encode(t)]
     except Exception as err:  # noqa: BLE001 - any failure means: not loadable, keep the .model only

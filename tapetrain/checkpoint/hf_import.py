@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -110,20 +110,28 @@ def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
             del state
 
 
-def load_hf_llama(hf_dir: str, pe: str = "rope", **model_overrides) -> Transformer:
-    """A Transformer (fp32, eval mode) holding a Hugging Face Llama checkpoint's weights.
-
-    `pe` picks the positional encoding; TAPE/FIRE parameters are not in a Llama checkpoint and keep their init
-    (zero W_A and W_down, so a TAPE retrofit computes exactly what the Llama model computes).
-    """
+def read_hf_config(hf_dir: str) -> dict:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{config_path} does not exist; model.init_from must be a Hugging Face Llama "
                                 "checkpoint directory (config.json + safetensors or .bin weights)")
     with open(config_path) as f:
-        cfg = config_from_hf(json.load(f), pe, **model_overrides)
-    model = Transformer(cfg)
-    params = dict(model.state_dict(keep_vars=True))
+        return json.load(f)
+
+
+def copy_hf_weights(
+    model: Transformer, hf_dir: str, copy: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None
+) -> int:
+    """Stream a Llama checkpoint's tensors (one at a time) into `model` by the key table; returns how many.
+
+    `copy(param, tensor)` does the assignment (default: param.copy_); ZeRO-3 passes one that gathers the
+    partitioned parameter first, so `param.shape` is checked against `ds_shape` when present. Missing,
+    unexpected or mis-shaped tensors are one error that lists them; TAPE/FIRE parameters are new and keep their
+    init (zero W_A and W_down: the retrofitted model computes what the Llama model computes).
+    """
+    cfg = model.cfg
+    params = dict(model.named_parameters(remove_duplicate=False))
+    copy = copy or (lambda param, tensor: param.copy_(tensor))
     loaded: set[str] = set()
     unexpected: list[str] = []
     shape_errors: list[str] = []
@@ -135,10 +143,12 @@ def load_hf_llama(hf_dir: str, pe: str = "rope", **model_overrides) -> Transform
             if name is None or name not in params:
                 unexpected.append(hf_name)
                 continue
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                shape_errors.append(f"{hf_name}: checkpoint {tuple(tensor.shape)} vs model {tuple(params[name].shape)}")
+            param = params[name]
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            if tuple(tensor.shape) != shape:
+                shape_errors.append(f"{hf_name}: checkpoint {tuple(tensor.shape)} vs model {shape}")
                 continue
-            params[name].copy_(tensor)
+            copy(param, tensor)
             loaded.add(name)
     if cfg.tie_embeddings and "embed.weight" in loaded:
         loaded.add("lm_head.weight")  # one tensor, saved once
@@ -156,4 +166,13 @@ def load_hf_llama(hf_dir: str, pe: str = "rope", **model_overrides) -> Transform
                          + "; check that config.json matches the weights (a Llama-architecture checkpoint)")
     log.info("loaded %s into a %s model (%d tensors; %d new positional parameters keep their init)",
              hf_dir, cfg.pe, len(loaded), len([n for n in params if n not in loaded]))
+    return len(loaded)
+
+
+def load_hf_llama(hf_dir: str, pe: str = "rope", **model_overrides) -> Transformer:
+    """A Transformer (fp32, eval mode) holding a Hugging Face Llama checkpoint's weights; `pe` picks the
+    positional encoding (TAPE/FIRE parameters keep their init)."""
+    cfg = config_from_hf(read_hf_config(hf_dir), pe, **model_overrides)
+    model = Transformer(cfg)
+    copy_hf_weights(model, hf_dir)
     return model.eval()

@@ -104,8 +104,6 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.kind = cfg.pe
-        if self.kind == "alibi":
-            self.register_buffer("slopes", alibi_slopes(cfg.n_heads), persistent=False)
         if self.kind == "fire":
             self.fire = FireBias(cfg.n_heads, cfg.fire_hidden, init_threshold=cfg.max_seq_len)
 
@@ -146,7 +144,8 @@ class PositionalEncoding(nn.Module):
         if self.kind == "alibi":
             dist = positions[:, :, None] - key_positions[:, None, :]  # (B, T, S)
             dist = dist.clamp(min=0) if cfg.causal else dist.abs()
-            ctx.bias = (-self.slopes[None, :, None, None] * dist[:, None]).to(dtype)  # (B, H, T, S)
+            slopes = alibi_slopes(cfg.n_heads).to(positions.device)  # recomputed: a few floats, no buffer to init
+            ctx.bias = (-slopes[None, :, None, None] * dist[:, None]).to(dtype)  # (B, H, T, S)
         if self.kind == "fire":
             ctx.bias = self.fire(positions, key_positions, cfg.causal).to(dtype)
         return ctx

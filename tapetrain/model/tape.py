@@ -54,6 +54,7 @@ class TapeMlpUpdate(nn.Module):
         self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
         self.up_proj = nn.Linear(n_heads, channels, bias=False)  # W_up: M -> I
         self.down_proj = nn.Linear(channels, n_heads, bias=False)  # W_down: I -> M
+        self.down_proj.zero_init = True  # read by Transformer.init_module
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)

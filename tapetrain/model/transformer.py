@@ -146,17 +146,21 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for projections and embeddings; TAPE's W_A and W_down at zero (RoPE twin at init)."""
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=self.cfg.init_std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
-        for layer in self.layers:
-            if layer.attn.tape_mix is not None:
-                nn.init.zeros_(layer.attn.tape_mix.weight)
-            if layer.tape_mlp is not None:
-                nn.init.zeros_(layer.tape_mlp.down_proj.weight)
+            self.init_module(module)
+
+    def init_module(self, module: nn.Module) -> None:
+        """Initialise one module's own parameters (not its children's). Callers that shard parameters (ZeRO-3)
+        gather one module at a time and call this, so the model never has to exist whole on one rank."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.cfg.init_std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, TapeHeadMix):
+            nn.init.zeros_(module.weight)
+        if isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
+            nn.init.zeros_(module.weight)
 
     def forward(
         self,

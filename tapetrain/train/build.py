@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,6 +16,7 @@ from tapetrain.checkpoint import store
 from tapetrain.errors import ConfigError
 from tapetrain.model import ModelConfig, Transformer
 from tapetrain.train.distributed import DistEnv, barrier
+from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, build_model, resolve_model_config
 
 log = logging.getLogger("tapetrain.train")
 
@@ -60,6 +62,22 @@ def _resume_checkpoint(cfg) -> Path | None:
     return path
 
 
+def _load_full_weights(model: torch.nn.Module, weights: dict, env: DistEnv) -> None:
+    """Load a full state dict; parameters partitioned by zero.Init are gathered one at a time."""
+    params = dict(model.named_parameters())
+    if not any(hasattr(p, "ds_id") for p in params.values()):
+        model.load_state_dict(weights, strict=False)
+        return
+    import deepspeed
+
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in weights:
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+                    if env.is_main:
+                        param.data.copy_(weights[name].to(param.dtype))
+
+
 def _data_spec(sources) -> list[dict]:
     return [{"path": s.path, "weight": s.weight} for s in sources]
 
@@ -77,16 +95,13 @@ def build_components(cfg, env: DistEnv) -> Components:
             "train.on_nan=skip is not supported with deepspeed.zero_stage=3 (parameters are partitioned outside "
             "forward, so a bad micro-batch cannot be replaced by a zero gradient); use train.on_nan=stop"
         )
+    model_config = resolve_model_config(cfg)
+    if cfg.model.init_from:  # the resolved config.yaml records the checkpoint's shape
+        shape = {k: getattr(model_config, k) for k in CHECKPOINT_SHAPE_FIELDS}
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
     ds_config = build_deepspeed_config(cfg, env.world_size)
     _write_run_files(cfg, ds_config, env)
-
-    model_config = cfg.model.model_config()
-    torch.manual_seed(cfg.run.seed)  # identical init on every rank
-    model = Transformer(model_config)
-    if cfg.model.init_from:
-        from tapetrain.checkpoint.hf_import import load_hf_weights_into
-
-        load_hf_weights_into(model, cfg.model.init_from)
+    model = build_model(cfg, model_config, env, ds_config)
     if cfg.train.lora is not None:
         from tapetrain.train.lora import apply_lora
 
@@ -103,7 +118,7 @@ def build_components(cfg, env: DistEnv) -> Components:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
-        model.load_state_dict(weights, strict=False)
+        _load_full_weights(model, weights, env)
         log.warning(
             "resuming %s on %d ranks (saved on %d) with ZeRO-%d: weights, step, LR schedule and data position are "
             "restored; optimizer moments are reset",
