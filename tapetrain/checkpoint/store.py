@@ -99,7 +99,16 @@ def save_checkpoint(
     root = Path(run_dir) / CHECKPOINTS
     tag = step_tag(step)
     tmp_tag = tag + ".tmp"
-    engine.save_checkpoint(str(root), tag=tmp_tag, save_latest=False)
+    from deepspeed.checkpoint.constants import (
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
+
+    # Pure data parallelism needs no tensor-parallel merge patterns: the version alone lets DeepSpeed convert the
+    # checkpoint to its universal format when resuming on another number of ranks.
+    client_state = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
+    engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
     torch.save(rng_state(), root / tmp_tag / f"rng_rank{env.rank:05d}.pt")
     barrier()
     final = root / tag

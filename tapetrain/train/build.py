@@ -6,6 +6,9 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +18,7 @@ import torch
 from tapetrain.checkpoint import store
 from tapetrain.errors import ConfigError
 from tapetrain.model import ModelConfig, Transformer
-from tapetrain.train.distributed import DistEnv, barrier
+from tapetrain.train.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, build_model, resolve_model_config
 
 log = logging.getLogger("tapetrain.train")
@@ -78,6 +81,25 @@ def _load_full_weights(model: torch.nn.Module, weights: dict, env: DistEnv) -> N
                         param.data.copy_(weights[name].to(param.dtype))
 
 
+def _convert_to_universal(checkpoint: Path, env: DistEnv) -> Path | None:
+    """Rank 0 converts a ZeRO checkpoint to DeepSpeed's universal format (into a .tmp directory that an
+    interrupted run leaves for remove_incomplete); None on every rank if the conversion fails."""
+    out = checkpoint.parent / f"{checkpoint.name}.universal.tmp"
+    ok = 0.0  # only rank 0 votes
+    if env.is_main:
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(checkpoint),
+               "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1",
+               "--inject_missing_state"]  # checkpoints written before tapetrain recorded the universal info
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode == 0:
+            ok = 1.0
+        else:
+            log.warning("universal checkpoint conversion failed:\n%s", proc.stderr[-2000:])
+    ok = all_reduce_sum([ok], env.device)[0] > 0  # rank 0's verdict, on every rank
+    return out if ok else None
+
+
 def _data_spec(sources) -> list[dict]:
     return [{"path": s.path, "weight": s.weight} for s in sources]
 
@@ -112,20 +134,27 @@ def build_components(cfg, env: DistEnv) -> Components:
     checkpoint = _resume_checkpoint(cfg)
     state = store.read_trainer_state(checkpoint) if checkpoint else None
     reshard = bool(state) and state["world_size"] != env.world_size and state["zero_stage"] >= 1
-    if reshard:
-        # ZeRO optimizer partitions are tied to the data-parallel size: keep the fp32 weights, step and data
-        # position, and start the optimizer moments afresh.
+    # Universal checkpoints are verified exact for ZeRO-1/2 (tests/distributed); for ZeRO-3 DeepSpeed 0.19.8's
+    # conversion restored the moments only approximately in our tests, so ZeRO-3 keeps weights and resets them.
+    universal = _convert_to_universal(checkpoint, env) if reshard and state["zero_stage"] <= 2 else None
+    if universal is not None:
+        # ZeRO partitions are tied to the data-parallel size; the universal format re-partitions weights and
+        # optimizer moments for the new one.
+        ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
+        log.warning(
+            "resuming %s on %d ranks (saved on %d) with ZeRO-%d through a universal checkpoint: weights, optimizer "
+            "moments, LR schedule, step and data position are restored",
+            checkpoint, env.world_size, state["world_size"], state["zero_stage"],
+        )
+    elif reshard:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         weights = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint.parent), tag=checkpoint.name)
         _load_full_weights(model, weights, env)
         log.warning(
             "resuming %s on %d ranks (saved on %d) with ZeRO-%d: weights, step, LR schedule and data position are "
-            "restored; optimizer moments are reset",
-            checkpoint,
-            env.world_size,
-            state["world_size"],
-            state["zero_stage"],
+            "restored; optimizer moments are reset (no verified universal conversion for this stage)",
+            checkpoint, env.world_size, state["world_size"], state["zero_stage"],
         )
 
     optimizer = build_optimizer(model, cfg.optim)
@@ -148,7 +177,14 @@ def build_components(cfg, env: DistEnv) -> Components:
     )
     train_batches = BatchIterator(dataset, seed=cfg.run.seed, **batch_args)
     if state:
-        if not reshard:
+        if universal is not None:
+            engine.load_checkpoint(
+                str(universal.parent), tag=universal.name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
+            barrier()
+            if env.is_main:
+                shutil.rmtree(universal, ignore_errors=True)
+        elif not reshard:
             engine.load_checkpoint(
                 str(checkpoint.parent), tag=checkpoint.name, load_optimizer_states=True, load_lr_scheduler_states=True
             )
