@@ -105,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
     p.add_argument("--pe", default="tape", help="positional encoding of the model (default tape)")
 
+    p = sub.add_parser("layer", help="one decoder layer's activation memory, measured vs the memory model")
+    _common(p)
+    p.add_argument("--preset", default="tiny", help="model preset: tiny, paper-155m, llama-1b, llama2-7b")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's max_seq_len)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--pe", default="tape")
+    p.add_argument("--backend", default="auto", help="model.attn_backend")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
     p = sub.add_parser("data", help="data reader / prepare benchmark (tools/bench_data.py)")
     p.add_argument("--script", type=Path, default=REPO / "tools" / "bench_data.py", help=argparse.SUPPRESS)
     p.add_argument("args", nargs=argparse.REMAINDER, help="passed to tools/bench_data.py")
@@ -177,6 +186,20 @@ def main(argv: list[str] | None = None) -> int:
         )
         result = bench.run_train_benchmark(settings, progress)
         _emit(args, result, bench.train_report(result), bench.plot_train)
+    elif args.mode == "layer":
+        settings = bench.LayerSettings(
+            preset=args.preset,
+            seq_len=args.seq_len or get_preset(args.preset)["max_seq_len"],
+            batch=args.batch,
+            pe=args.pe,
+            dtype=dtype,
+            backend=args.backend,
+            overrides=bench.parse_overrides(args.overrides),
+            device=str(device),
+            seed=args.seed,
+        )
+        result = bench.run_layer_benchmark(settings, progress)
+        _emit(args, result, bench.layer_report(result), bench.plot_layer)
     else:
         settings = bench.EngineSettings(
             preset=args.preset,

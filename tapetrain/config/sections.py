@@ -44,7 +44,7 @@ class ModelSection(ModelConfig):
     """
 
     preset: str | None = option(
-        None, "Named model shape to start from (tiny, paper-155m, llama2-7b); other model keys override it."
+        None, "Named model shape to start from (tiny, paper-155m, llama-1b, llama2-7b); other model keys override it."
     )
     init_from: str | None = option(
         None, "Hugging Face Llama checkpoint directory to initialise the weights from (null = random init)."

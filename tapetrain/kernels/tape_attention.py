@@ -361,6 +361,18 @@ def _bwd_dq_kernel(
 # compiler reports OutOfResources (shared memory / registers). Untuned guesses: tools/benchmark.py measures.
 _Config = tuple[int, int, int, int]
 _chosen: dict[tuple, _Config] = {}
+_forced: dict[str, _Config] = {}  # kind -> config, set by force_config (tuning sweeps)
+
+
+def force_config(kind: str, config: _Config | None) -> None:
+    """Use `config` for every launch of `kind` (fwd | dkdv | dq) until reset with None; for tuning sweeps."""
+    if kind not in ("fwd", "dkdv", "dq"):
+        raise ValueError(f"unknown kernel kind {kind!r}; choose fwd, dkdv or dq")
+    if config is None:
+        _forced.pop(kind, None)
+    else:
+        _forced[kind] = tuple(config)
+    _chosen.clear()
 
 
 def _interpreting() -> bool:
@@ -384,7 +396,9 @@ def _configs(kind: str, width: int, dtype: torch.dtype) -> list[_Config]:
 def _launch(kernel, kind: str, key: tuple, grid_of, width: int, dtype: torch.dtype, *args, **consts) -> None:
     """Launch with the first config that compiles for this key; grid_of(BLOCK_M, BLOCK_N) -> grid."""
     cfgs = _configs(kind, width, dtype)
-    if key in _chosen:
+    if kind in _forced:
+        cfgs = [_forced[kind]]
+    elif key in _chosen:
         cfgs = [_chosen[key]]
     last: Exception | None = None
     for bm, bn, warps, stages in cfgs:
@@ -467,9 +481,12 @@ def _forward(q, k, v, e, causal: bool, scale: float):
 
 
 def _backward(ctx, do: torch.Tensor | None, doe: torch.Tensor | None):
-    q, k, v, e, o, oe, lse = ctx.saved_tensors
-    causal, scale = ctx.causal, ctx.scale
-    need_q, need_k, need_v, need_e = ctx.needs_input_grad[:4]
+    return _backward_impl(*ctx.saved_tensors, do, doe, ctx.causal, ctx.scale, ctx.needs_input_grad[:4])
+
+
+def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, needs: tuple[bool, ...]):
+    """(dq, dk, dv, de, None, None); `needs` says which of q, k, v, e want a gradient."""
+    need_q, need_k, need_v, need_e = needs
     use_v = do is not None
     use_e = doe is not None and e is not None
     if not (use_v or use_e):

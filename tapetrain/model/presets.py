@@ -13,6 +13,11 @@ PRESETS: dict[str, dict] = {
     "paper-155m": dict(
         vocab_size=32000, d_model=768, n_layers=12, n_heads=12, ffn_hidden=3072, max_seq_len=1024, norm_eps=1e-5
     ),
+    # ~1B Llama-style model for throughput measurements at 2048 context: 16 layers, 2048 hidden, 16 heads of
+    # D = 128 (the Llama-2-7B head size), SwiGLU 5632; 1.08B parameters with untied embeddings.
+    "llama-1b": dict(
+        vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, ffn_hidden=5632, max_seq_len=2048, norm_eps=1e-5
+    ),
     # Llama-2-7B's shape (meta-llama/Llama-2-7b-hf config.json).
     "llama2-7b": dict(
         vocab_size=32000,
