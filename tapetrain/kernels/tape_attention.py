@@ -379,23 +379,78 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _configs(kind: str, width: int, dtype: torch.dtype) -> list[_Config]:
-    """kind: fwd | dkdv | dq; width: padded D + Dv + De (what a program keeps in registers per row)."""
+# Launch configs per (arch, kernel, padded head dim), in order of preference: the first is the fastest measured on
+# that arch (tools/tune_attention.py on an H100 for sm_90) among those with zero register spills on it (ptxas,
+# tools/kernel_report.py); later ones are fallbacks for GPUs with less shared memory. sm_80's rows are chosen for zero
+# spills and A100's 164 KB of shared memory (no A100 measurement yet). `e` = the TAPE case (values V and E).
+_TABLE: dict[tuple[int, str, int], list[_Config]] = {
+    # ---- Hopper (sm_90)
+    (90, "fwd", 64): [(64, 64, 4, 3), (64, 32, 4, 2)],
+    (90, "fwd", 128): [(128, 64, 8, 3), (64, 64, 4, 2)],
+    (90, "dq", 64): [(64, 64, 4, 2), (64, 32, 4, 2)],
+    (90, "dq", 128): [(128, 64, 8, 2), (64, 32, 4, 2)],
+    (90, "dkdv", 64): [(64, 64, 4, 3), (32, 64, 4, 2)],
+    (90, "dkdv", 128): [(32, 128, 8, 3), (32, 64, 4, 2)],
+    # ---- Ampere (sm_80)
+    (80, "fwd", 64): [(64, 64, 4, 3), (64, 32, 4, 2)],
+    (80, "fwd", 128): [(128, 64, 8, 2), (64, 32, 4, 2)],
+    (80, "dq", 64): [(64, 64, 4, 2), (64, 32, 4, 2)],
+    (80, "dq", 128): [(64, 64, 8, 2), (64, 32, 4, 2)],
+    (80, "dkdv", 64): [(64, 64, 4, 2), (32, 64, 4, 2)],
+    (80, "dkdv", 128): [(32, 128, 8, 2), (32, 64, 4, 2)],
+}
+_FALLBACK: list[_Config] = [(32, 32, 4, 1), (16, 16, 4, 1)]
+
+
+def _configs(kind: str, arch: int, block_d: int, dtype: torch.dtype) -> list[_Config]:
+    """Configs to try for kernel `kind` (fwd | dkdv | dq) on compute capability `arch` (e.g. 90) at padded head
+    dim `block_d`; 16-bit inputs use the table, fp32 (twice the registers per element) small tiles."""
     if _interpreting():
         return [(16, 16, 1, 1)]
-    small = dtype != torch.float32 and width <= 192  # e.g. D = Dv = De = 64 in fp16/bf16
-    if kind == "fwd":
-        first = [(128, 64, 8, 3), (64, 64, 4, 3)] if small else [(64, 64, 4, 2), (64, 32, 4, 2)]
-    elif kind == "dkdv":
-        first = [(32, 128, 8, 2), (32, 64, 4, 2)] if small else [(32, 64, 4, 2), (16, 64, 4, 1)]
-    else:
-        first = [(64, 64, 4, 2), (64, 32, 4, 2)] if small else [(64, 32, 4, 2), (32, 32, 4, 1)]
-    return first + [(32, 32, 4, 1), (16, 16, 4, 1)]
+    if dtype == torch.float32:
+        return [(64, 32, 4, 2), (32, 32, 4, 1)] + _FALLBACK
+    family = 90 if arch >= 90 else 80  # Ada (89) and Ampere share sm_80's register file and shared-memory budget
+    key = (family, kind, min(max(block_d, 64), 128))
+    return _TABLE[key] + _FALLBACK
 
 
-def _launch(kernel, kind: str, key: tuple, grid_of, width: int, dtype: torch.dtype, *args, **consts) -> None:
+class _Capture:
+    """Records launches instead of running them (tools/kernel_report.py compiles them for a target arch)."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+        self.launches: list[dict] = []
+
+
+_capture: _Capture | None = None
+
+
+def capture_launches(arch: int) -> _Capture:
+    """Start recording the launches of _forward/_backward_impl (called on meta tensors) for `arch`; stop with
+    stop_capture(). Each record holds the kernel, its arguments and the configs the runtime would try, in order."""
+    global _capture
+    _capture = _Capture(arch)
+    return _capture
+
+
+def stop_capture() -> None:
+    global _capture
+    _capture = None
+
+
+def _device_arch(dtype_device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(dtype_device)
+    return 10 * major + minor
+
+
+def _launch(kernel, kind: str, key: tuple, grid_of, block_d: int, dtype: torch.dtype, *args, **consts) -> None:
     """Launch with the first config that compiles for this key; grid_of(BLOCK_M, BLOCK_N) -> grid."""
-    cfgs = _configs(kind, width, dtype)
+    if _capture is not None:
+        cfgs = _configs(kind, _capture.arch, block_d, dtype)
+        _capture.launches.append(dict(kernel=kernel, kind=kind, args=args, consts=consts, configs=cfgs))
+        return
+    arch = 0 if _interpreting() else _device_arch(args[0].device)
+    cfgs = _configs(kind, arch, block_d, dtype)
     if kind in _forced:
         cfgs = [_forced[kind]]
     elif key in _chosen:
@@ -462,15 +517,27 @@ def _dims(q, k, v, e):
     return b, h, t, s, d, dv, de, h // k.shape[1], h // v.shape[1]
 
 
+def _token_major(x: torch.Tensor, b: int, h: int, t: int, d: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised (B, H, T, D) view of (B, T, H, D) memory: the layout projections produce and consume, so
+    the output feeds o_proj (and TAPE's token-major state) without a transposing copy."""
+    return torch.empty(b, t, h, d, device=x.device, dtype=dtype or x.dtype).transpose(1, 2)
+
+
+def _unit_last_stride(x: torch.Tensor | None) -> torch.Tensor | None:
+    """Tiles are loaded along the last dim: a strided last dim would make every load uncoalesced (many times
+    slower than one copy), so such inputs are copied once."""
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
 def _forward(q, k, v, e, causal: bool, scale: float):
     b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
-    o = q.new_empty(b, h, t, dv)
-    oe = q.new_empty(b, h, t, de) if e is not None else None
+    o = _token_major(q, b, h, t, dv)
+    oe = _token_major(q, b, h, t, de) if e is not None else None
     lse = torch.empty(b, h, t, device=q.device, dtype=torch.float32)
     bd, bdv, bde = _pad(d), _pad(dv), _pad(max(de, 1))
     key = ("fwd", q.device.index, q.dtype, bd, bdv, bde if e is not None else 0)
     _launch(
-        _fwd_kernel, "fwd", key, lambda bm, bn: (triton.cdiv(t, bm), h, b), bd + bdv + bde, q.dtype,
+        _fwd_kernel, "fwd", key, lambda bm, bn: (triton.cdiv(t, bm), h, b), bd, q.dtype,
         q, k, v, e if e is not None else v, o, oe if oe is not None else o, lse,
         *q.stride(), *k.stride(), *v.stride(), *_strides(e), *o.stride(), *_strides(oe),
         h, t, s, d, dv, max(de, 1), gk, gv, scale * LOG2E,
@@ -493,8 +560,8 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
         return None, None, None, None, None, None
     b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
     # tl.dot needs both operands in one dtype
-    do = do.to(q.dtype) if use_v else None
-    doe = doe.to(q.dtype) if use_e else None
+    do = _unit_last_stride(do.to(q.dtype)) if use_v else None
+    doe = _unit_last_stride(doe.to(q.dtype)) if use_e else None
 
     # delta (B, H, T) fp32 = rowsum(dO ⊙ O) over both streams; memory-bound, so plain torch is fine here.
     delta = torch.zeros(b, h, t, device=q.device, dtype=torch.float32)
@@ -504,7 +571,6 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
         delta += (doe.float() * oe.float()).sum(-1)
 
     bd, bdv, bde = _pad(d), _pad(dv), _pad(max(de, 1))
-    width = bd + bdv + bde
     # dummies for absent streams: never dereferenced (constexpr-guarded), any valid pointer will do
     e_ = e if use_e else v
     do_ = do if use_v else q
@@ -515,30 +581,29 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
 
     dq = dk = dv_ = de_ = None
     if need_q:
-        dq = torch.empty_like(q)
+        dq = _token_major(q, b, h, t, d)
         _launch(
-            _bwd_dq_kernel, "dq", ("dq", *key_tail), lambda bm, bn: (triton.cdiv(t, bm), h, b), width, q.dtype,
+            _bwd_dq_kernel, "dq", ("dq", *key_tail), lambda bm, bn: (triton.cdiv(t, bm), h, b), bd, q.dtype,
             q, k, v, e_, do_, doe_, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_), *dq.stride(),
             h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E, **common,
         )  # fmt: skip
     if need_k or need_v or need_e:
         # per query head buffers; fp32 when a group of heads must still be summed
-        dk_h = torch.empty(b, h, s, d, device=q.device, dtype=k.dtype if gk == 1 else torch.float32)
-        dv_h = torch.empty(b, h, s, dv, device=q.device, dtype=v.dtype if gv == 1 else torch.float32)
-        de_h = torch.empty(b, h, s, de, device=q.device, dtype=e.dtype) if use_e else dk_h
+        dk_h = _token_major(q, b, h, s, d, k.dtype if gk == 1 else torch.float32)
+        dv_h = _token_major(q, b, h, s, dv, v.dtype if gv == 1 else torch.float32)
+        de_h = _token_major(q, b, h, s, de, e.dtype) if use_e else dk_h
         _launch(
-            _bwd_dkdv_kernel, "dkdv", ("dkdv", *key_tail), lambda bm, bn: (triton.cdiv(s, bn), h, b), width,
-            q.dtype,
+            _bwd_dkdv_kernel, "dkdv", ("dkdv", *key_tail), lambda bm, bn: (triton.cdiv(s, bn), h, b), bd, q.dtype,
             q, k, v, e_, do_, doe_, lse, delta, dk_h, dv_h, de_h,
             *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_),
             *dk_h.stride(), *dv_h.stride(), *de_h.stride(),
             h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E, **common,
         )  # fmt: skip
         if need_k:
-            dk = dk_h if gk == 1 else dk_h.view(b, h // gk, gk, s, d).sum(2).to(k.dtype)
+            dk = dk_h if gk == 1 else dk_h.unflatten(1, (h // gk, gk)).sum(2).to(k.dtype)
         if need_v and use_v:
-            dv_ = dv_h if gv == 1 else dv_h.view(b, h // gv, gv, s, dv).sum(2).to(v.dtype)
+            dv_ = dv_h if gv == 1 else dv_h.unflatten(1, (h // gv, gv)).sum(2).to(v.dtype)
         if need_e and use_e:
             de_ = de_h
     return dq, dk, dv_, de_, None, None
@@ -570,5 +635,6 @@ def tape_attention(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Fused attention returning (A·V (B, H, T, Dv), A·E (B, H, T, De) or None); see the module docstring."""
     _check(q, k, v, e)
+    q, k, v, e = (_unit_last_stride(x) for x in (q, k, v, e))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     return _TapeAttention.apply(q, k, v, e, bool(causal), scale)

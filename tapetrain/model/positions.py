@@ -131,7 +131,8 @@ class PositionalEncoding(nn.Module):
             cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta, cfg.pi_factor)  # (B, T, F)
             if self.kind == "tape":
                 e0 = torch.cat([cos, sin], dim=-1).to(dtype)  # (B, T, D)
-                ctx.tape_init = e0[:, None].expand(-1, cfg.n_heads, -1, -1)  # (B, H, T, D), same for every head
+                # (B, H, T, D) view of a token-major (B, T, H, D) expansion: the same for every head, no copy
+                ctx.tape_init = e0[:, :, None].expand(-1, -1, cfg.n_heads, -1).transpose(1, 2)
             else:
                 ctx.cos, ctx.sin = cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, F)
         if self.kind == "xpos":

@@ -1,6 +1,11 @@
 """TAPE's two position-state updates (DESIGN §1).
 
-The state E is (B, M, T, D): per token and head, F = D/2 blocks (c, s) stored rotate-half style as [c ‖ s].
+Inside the model the state E is token-major, (B, T, M, D): per token and head, F = D/2 blocks (c, s) stored
+rotate-half style as [c ‖ s]. Token-major is the layout q and k come out of their projections in, so rotating
+them by E is a plain elementwise pass, the attention kernels read E rows with D contiguous, and the head
+contractions below are small matrix products over contiguous (M, D) slices (a head-major E made every one of
+those a strided, uncoalesced pass on GPU).
+
 Both updates only contract over the head axis M (and the token axis, through the attention weights), so they
 commute with any per-frequency rotation of E: that is what keeps TAPE shift- and O(2)-invariant.
 """
@@ -15,7 +20,7 @@ from tapetrain.model.positions import rotate_pairs
 
 
 def rotate_by_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """x̃ = E^T x blockwise: x (B, M, T, D), state E (B, M, T, D) = [c ‖ s]. For E = RoPE this is RoPE."""
+    """x̃ = E^T x blockwise: x and state E = [c ‖ s] of one shape, e.g. (B, T, M, D). For E = RoPE this is RoPE."""
     half = state.shape[-1] // 2
     return rotate_pairs(x, state[..., :half], state[..., half:])
 
@@ -34,11 +39,12 @@ class TapeHeadMix(nn.Module):
         self.weight = nn.Parameter(torch.zeros(shape))
 
     def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """state, attended = A·E: (B, M, T, D) -> updated state (B, M, T, D)."""
+        """state, attended = A·E: (B, T, M, D) -> updated state (B, T, M, D)."""
+        weight = self.weight.to(attended.dtype)
         if self.mode == "full":
-            mixed = torch.einsum("bgtd,hg->bhtd", attended, self.weight.to(attended.dtype))
+            mixed = torch.matmul(weight, attended)  # (M, M) @ (B, T, M, D): one small product per token
         else:
-            mixed = attended * self.weight.to(attended.dtype)[None, :, None, None]
+            mixed = attended * weight[:, None]
         return state + mixed
 
 
@@ -57,7 +63,8 @@ class TapeMlpUpdate(nn.Module):
         self.down_proj.zero_init = True  # read by Transformer.init_module
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        """state (B, T, M, D), mlp_out (B, T, C) -> updated state (B, T, M, D)."""
         gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
-        up = torch.einsum("bmtd,im->bitd", state, self.up_proj.weight)  # (B, I, T, D)
-        hidden = up * gate.transpose(1, 2)[..., None]  # (B, I, T, D)
-        return state + torch.einsum("bitd,mi->bmtd", hidden, self.down_proj.weight)
+        up = torch.matmul(self.up_proj.weight, state)  # (I, M) @ (B, T, M, D) -> (B, T, I, D)
+        hidden = up * gate[..., None]  # (B, T, I, D)
+        return state + torch.matmul(self.down_proj.weight, hidden)  # (M, I) @ (B, T, I, D) -> (B, T, M, D)

@@ -79,17 +79,19 @@ class Attention(nn.Module):
         cache: LayerCache | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D) view
         e_values = None
         if state is not None:
-            # E is per query head, so keys are expanded to query heads before rotation (GQA memory cost: H/Hkv).
-            k = rotate_by_state(expand_heads(k, self.n_heads), state)
-            q = rotate_by_state(q, state)
-            e_values = state if self.tape_mix is not None else None
+            # E (B, T, H, D) is per query head, so keys are expanded to query heads before rotation (GQA memory
+            # cost: H/Hkv). Everything stays token-major; the attention backends take (B, H, T, D) views.
+            groups = self.n_heads // self.n_kv
+            k = rotate_by_state(k.repeat_interleave(groups, dim=2) if groups > 1 else k, state).transpose(1, 2)
+            q = rotate_by_state(q, state).transpose(1, 2)
+            e_values = state.transpose(1, 2) if self.tape_mix is not None else None
         else:
-            q, k = pe.rotate_qk(q, k, ctx)
+            q, k = pe.rotate_qk(q.transpose(1, 2), k.transpose(1, 2), ctx)
         if cache is not None:
             k, v, e_values = cache.append(k, v, e_values)
         if self.cfg.s2_attn and self.training and cache is None:
@@ -101,7 +103,7 @@ class Attention(nn.Module):
             )
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
-            state = self.tape_mix(state, attended)
+            state = self.tape_mix(state, attended.transpose(1, 2))  # A·E back to token-major (B, T, H, D)
         return out, state
 
 
@@ -191,7 +193,9 @@ class Transformer(nn.Module):
         key_positions = cache.extend_positions(positions) if cache is not None else positions
         x = self.embed(input_ids)
         ctx = self.pe.context(positions, key_positions, x.dtype)
-        state = tape_state if tape_state is not None else ctx.tape_init
+        state = tape_state if tape_state is not None else ctx.tape_init  # (B, H, T, D)
+        if state is not None:
+            state = state.transpose(1, 2)  # token-major (B, T, H, D) inside the layers (see model/tape.py)
         use_checkpoint = self.cfg.activation_checkpointing and self.training and cache is None
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None
