@@ -39,12 +39,15 @@ OUT=$(cd "$OUT" && pwd)
 STAGES=(
   "install|120|install_wheels"
   "env|60|describe_machine"
-  "gpu-tests|300|$PY -m pytest -m gpu -q -p no:cacheprovider --timeout=280 --junitxml=$OUT/gpu-tests.xml $REPO/tests"
-  "kernel-tune|240|$PY $REPO/tools/tune_attention.py --budget-s ${TAPETRAIN_TUNE_BUDGET_S:-100} --out $OUT/kernel-tune.json"
+  "gpu-tests|330|$PY -m pytest -m gpu -q -p no:cacheprovider --timeout=300 --junitxml=$OUT/gpu-tests.xml $REPO/tests"
+  "kernel-tune|150|$PY $REPO/tools/tune_attention.py --budget-s ${TAPETRAIN_TUNE_BUDGET_S:-30} --head-dims ${TAPETRAIN_TUNE_DIMS:-64,128} --out $OUT/kernel-tune.json"
   "attention-d64|120|$BENCH attention --head-dim 64 --heads 16 --batch 4 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d64.json"
   "attention-d128|120|$BENCH attention --head-dim 128 --heads 16 --batch 2 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d128.json"
   "train-155m|150|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 20 --warmup 5 --out $OUT/train-paper-155m.json"
+  "train-155m-compile|240|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 20 --warmup 5 --set compile=true --out $OUT/train-paper-155m-compile.json"
   "train-1b|200|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 10 --warmup 3 --out $OUT/train-llama-1b.json"
+  "train-1b-compile|300|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 10 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
+  "profile-1b|240|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
   "engine-155m|150|$BENCH engine --preset paper-155m --seq-len 1024 --batch 16 --zero-stage 2 --steps 10 --warmup 3 --out $OUT/engine-paper-155m.json"
   "layer-memory|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
 )

@@ -31,7 +31,7 @@ from tapetrain.kernels import ptx_report  # noqa: E402
 from tapetrain.kernels import tape_attention as km  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-KERNEL_NAMES = {"fwd": "_fwd_kernel", "dq": "_bwd_dq_kernel", "dkdv": "_bwd_dkdv_kernel"}
+KERNEL_NAMES = {"fwd": "_fwd_kernel", "dq": "_bwd_dq_kernel", "dkdv": "_bwd_dkdv_kernel", "de": "_bwd_dkdv_kernel:de"}
 
 
 def launches(arch: int, head_dim: int, dtype: torch.dtype, tape: bool) -> list[dict]:

@@ -33,6 +33,8 @@ def candidates(kind: str) -> list[tuple[int, int, int, int]]:
         grid = itertools.product((128, 64), (64, 128, 32), (8, 4), (3, 2, 4))
     elif kind == "dq":
         grid = itertools.product((64, 128, 32), (64, 32, 128), (4, 8), (2, 1, 3))
+    elif kind == "de":  # the separate de pass at D = 128: one accumulator per key tile
+        grid = itertools.product((64, 32, 128), (128, 64), (8, 4), (3, 2))
     else:  # dkdv: one program per key tile walks the query tiles
         grid = itertools.product((32, 64, 16), (64, 128, 32), (4, 8), (2, 1, 3))
     return [tuple(c) for c in grid]
@@ -45,6 +47,8 @@ def attention_flops(kind: str, b: int, h: int, t: int, d: int) -> float:
         return 2 * pairs * (d + 2 * d)
     if kind == "dq":  # recompute QK^T, dP over 2D, dQ
         return 2 * pairs * (d + 2 * d + d)
+    if kind == "de":  # the de pass is timed together with the dk/dv pass it follows: the whole key-side backward
+        return 2 * pairs * (d + 2 * d + 2 * d + d + d + d)
     return 2 * pairs * (d + 2 * d + 2 * d + d)  # recompute, dV/dE, dP, dK
 
 
@@ -69,6 +73,9 @@ def sweep(d: int, dtype_name: str, args: argparse.Namespace) -> dict:
         "dq": lambda: km._backward_impl(q, k, v, e, o, oe, lse, do, doe, True, scale, (True, False, False, False)),
         "dkdv": lambda: km._backward_impl(q, k, v, e, o, oe, lse, do, doe, True, scale, (False, True, True, True)),
     }
+    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1]
+    if km._split_de(arch, d, dtype):  # de has its own pass here: sweep it too (timed with the dk/dv pass)
+        runs["de"] = runs["dkdv"]
     runs = {kind: fn for kind, fn in runs.items() if kind in args.kernels}
     records = []
     for kind, fn in runs.items():
@@ -102,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--budget-s", type=float, default=40.0, help="seconds per (kernel, head dim, dtype)")
-    p.add_argument("--kernels", type=lambda x: x.split(","), default=["fwd", "dq", "dkdv"])
+    p.add_argument("--kernels", type=lambda x: x.split(","), default=["fwd", "dq", "dkdv", "de"])
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():

@@ -38,7 +38,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 from triton.runtime.errors import OutOfResources
 
 LOG2E = 1.4426950408889634
@@ -160,9 +159,13 @@ def _bwd_dkdv_kernel(
     CAUSAL: tl.constexpr, USE_V: tl.constexpr, USE_E: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DE: tl.constexpr,
+    DO_DKDV: tl.constexpr = True, DO_DE: tl.constexpr = True,
 ):  # fmt: skip
     # One program per (key tile, query head h, b): dk/dv/de of that key tile as seen by query head h.
     # USE_V / USE_E: whether do / do_e exist (a None upstream grad drops that stream's terms).
+    # DO_DKDV / DO_DE: which accumulators this pass keeps. At D = 128 the three (BN, D) fp32 accumulators of
+    # dk, dv and de do not fit the register file next to the operand tiles, so de gets its own pass
+    # (recomputing P costs 1/7 of the backward's FLOPs; spilling costs more).
     pid_n = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -181,13 +184,13 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     de = tl.zeros([BLOCK_N, BLOCK_DE], tl.float32)
-    if USE_V:
+    if USE_V and DO_DKDV:
         v = tl.load(
             V + b * svb + (h // GROUP_V) * svh + offs_n[:, None] * svs + offs_dv[None, :] * svd,
             mask=n_ok[:, None] & (offs_dv[None, :] < DV),
             other=0.0,
         )  # (BN, BDV)
-    if USE_E:
+    if USE_E and DO_DKDV:
         e = tl.load(
             E + b * seb + h * seh + offs_n[:, None] * ses + offs_de[None, :] * sed,
             mask=n_ok[:, None] & (offs_de[None, :] < DE),
@@ -218,39 +221,43 @@ def _bwd_dkdv_kernel(
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + off)
         qkt = tl.dot(k, qt, input_precision=PRECISION) * scale_log2  # (BN, BM)
         pt = tl.where(valid, tl.exp2(qkt - lse2[None, :]), 0.0)  # P^T, fp32
-        dpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        if USE_V:
-            do = tl.load(
-                do_base + offs_m[:, None] * sdot + offs_dv[None, :] * sdod,
-                mask=m_ok[:, None] & (offs_dv[None, :] < DV),
-                other=0.0,
-            )  # (BM, BDV)
-            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
-            dpt += tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if USE_E:
             doe = tl.load(
                 doe_base + offs_m[:, None] * sdeot + offs_de[None, :] * sdeod,
                 mask=m_ok[:, None] & (offs_de[None, :] < DE),
                 other=0.0,
             )  # (BM, BDE)
-            de += tl.dot(pt.to(doe.dtype), doe, input_precision=PRECISION)
-            dpt += tl.dot(e, tl.trans(doe), input_precision=PRECISION)
-        dst = pt * (dpt - delta[None, :])  # dS^T (BN, BM)
-        dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+            if DO_DE:
+                de += tl.dot(pt.to(doe.dtype), doe, input_precision=PRECISION)
+        if DO_DKDV:
+            dpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            if USE_V:
+                do = tl.load(
+                    do_base + offs_m[:, None] * sdot + offs_dv[None, :] * sdod,
+                    mask=m_ok[:, None] & (offs_dv[None, :] < DV),
+                    other=0.0,
+                )  # (BM, BDV)
+                dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+                dpt += tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            if USE_E:
+                dpt += tl.dot(e, tl.trans(doe), input_precision=PRECISION)
+            dst = pt * (dpt - delta[None, :])  # dS^T (BN, BM)
+            dk += tl.dot(dst.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
 
-    dk = dk * scale
-    tl.store(
-        DK + b * sdkb + h * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
-        dk.to(DK.dtype.element_ty),
-        mask=n_ok[:, None] & (offs_d[None, :] < D),
-    )
-    if USE_V:
+    if DO_DKDV:
+        dk = dk * scale
         tl.store(
-            DV_ + b * sdvb + h * sdvh + offs_n[:, None] * sdvs + offs_dv[None, :] * sdvd,
-            dv.to(DV_.dtype.element_ty),
-            mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+            DK + b * sdkb + h * sdkh + offs_n[:, None] * sdks + offs_d[None, :] * sdkd,
+            dk.to(DK.dtype.element_ty),
+            mask=n_ok[:, None] & (offs_d[None, :] < D),
         )
-    if USE_E:
+        if USE_V:
+            tl.store(
+                DV_ + b * sdvb + h * sdvh + offs_n[:, None] * sdvs + offs_dv[None, :] * sdvd,
+                dv.to(DV_.dtype.element_ty),
+                mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+            )
+    if USE_E and DO_DE:
         tl.store(
             DE_ + b * sdeb + h * sdeh + offs_n[:, None] * sdes + offs_de[None, :] * sded,
             de.to(DE_.dtype.element_ty),
@@ -365,9 +372,9 @@ _forced: dict[str, _Config] = {}  # kind -> config, set by force_config (tuning 
 
 
 def force_config(kind: str, config: _Config | None) -> None:
-    """Use `config` for every launch of `kind` (fwd | dkdv | dq) until reset with None; for tuning sweeps."""
-    if kind not in ("fwd", "dkdv", "dq"):
-        raise ValueError(f"unknown kernel kind {kind!r}; choose fwd, dkdv or dq")
+    """Use `config` for every launch of `kind` (fwd | dkdv | de | dq) until reset with None; for tuning sweeps."""
+    if kind not in ("fwd", "dkdv", "de", "dq"):
+        raise ValueError(f"unknown kernel kind {kind!r}; choose fwd, dkdv, de or dq")
     if config is None:
         _forced.pop(kind, None)
     else:
@@ -384,22 +391,45 @@ def _interpreting() -> bool:
 # tools/kernel_report.py); later ones are fallbacks for GPUs with less shared memory. sm_80's rows are chosen for zero
 # spills and A100's 164 KB of shared memory (no A100 measurement yet). `e` = the TAPE case (values V and E).
 _TABLE: dict[tuple[int, str, int], list[_Config]] = {
-    # ---- Hopper (sm_90)
-    (90, "fwd", 64): [(64, 64, 4, 3), (64, 32, 4, 2)],
-    (90, "fwd", 128): [(128, 64, 8, 3), (64, 64, 4, 2)],
+    # ---- Hopper (sm_90): H100 measurements, bf16, B·H = 32, T = 4096 (docs/benchmarks/gpu/)
+    (90, "fwd", 64): [(64, 64, 4, 3), (64, 64, 4, 2)],
+    (90, "fwd", 128): [(128, 64, 8, 3), (64, 64, 8, 2)],
     (90, "dq", 64): [(64, 64, 4, 2), (64, 32, 4, 2)],
     (90, "dq", 128): [(128, 64, 8, 2), (64, 32, 4, 2)],
-    (90, "dkdv", 64): [(64, 64, 4, 3), (32, 64, 4, 2)],
-    (90, "dkdv", 128): [(32, 128, 8, 3), (32, 64, 4, 2)],
-    # ---- Ampere (sm_80)
-    (80, "fwd", 64): [(64, 64, 4, 3), (64, 32, 4, 2)],
-    (80, "fwd", 128): [(128, 64, 8, 2), (64, 32, 4, 2)],
+    (90, "dkdv", 64): [(64, 64, 4, 3), (32, 64, 4, 3)],
+    (90, "dkdv", 128): [(32, 128, 8, 3), (32, 64, 4, 3)],  # dk, dv only: de has its own pass at D = 128
+    (90, "de", 128): [(64, 128, 8, 3), (64, 64, 4, 2)],
+    # ---- Ampere (sm_80): chosen for zero spills under sm_80's mma layouts and A100's shared memory
+    (80, "fwd", 64): [(64, 64, 4, 3), (64, 64, 4, 2)],
+    (80, "fwd", 128): [(64, 64, 8, 2), (64, 32, 4, 2)],
     (80, "dq", 64): [(64, 64, 4, 2), (64, 32, 4, 2)],
     (80, "dq", 128): [(64, 64, 8, 2), (64, 32, 4, 2)],
-    (80, "dkdv", 64): [(64, 64, 4, 2), (32, 64, 4, 2)],
-    (80, "dkdv", 128): [(32, 128, 8, 2), (32, 64, 4, 2)],
+    (80, "dkdv", 64): [(32, 128, 8, 2), (32, 32, 4, 2)],
+    (80, "dkdv", 128): [(32, 64, 8, 2), (16, 64, 4, 2)],
+    (80, "de", 128): [(64, 64, 4, 2), (32, 64, 4, 2)],
 }
 _FALLBACK: list[_Config] = [(32, 32, 4, 1), (16, 16, 4, 1)]
+
+
+def _split_de(arch: int, block_d: int, dtype: torch.dtype) -> bool:
+    """Whether de gets its own backward pass: where the table lists a "de" config (16-bit, large head dims)."""
+    if _interpreting() or dtype == torch.float32:
+        return False
+    return (_family(arch), "de", min(max(block_d, 64), 128)) in _TABLE
+
+
+def _family(arch: int) -> int:
+    return 90 if arch >= 90 else 80  # Ada (89) and Ampere share sm_80's register file and shared-memory budget
+
+
+def _arch_of(x: torch.Tensor) -> int:
+    """Compute capability of x's GPU as 10·major + minor (the capture's target while recording launches)."""
+    if _capture is not None:
+        return _capture.arch
+    if _interpreting():
+        return 0
+    major, minor = torch.cuda.get_device_capability(x.device)
+    return 10 * major + minor
 
 
 def _configs(kind: str, arch: int, block_d: int, dtype: torch.dtype) -> list[_Config]:
@@ -409,8 +439,7 @@ def _configs(kind: str, arch: int, block_d: int, dtype: torch.dtype) -> list[_Co
         return [(16, 16, 1, 1)]
     if dtype == torch.float32:
         return [(64, 32, 4, 2), (32, 32, 4, 1)] + _FALLBACK
-    family = 90 if arch >= 90 else 80  # Ada (89) and Ampere share sm_80's register file and shared-memory budget
-    key = (family, kind, min(max(block_d, 64), 128))
+    key = (_family(arch), kind, min(max(block_d, 64), 128))
     return _TABLE[key] + _FALLBACK
 
 
@@ -438,19 +467,13 @@ def stop_capture() -> None:
     _capture = None
 
 
-def _device_arch(dtype_device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(dtype_device)
-    return 10 * major + minor
-
-
 def _launch(kernel, kind: str, key: tuple, grid_of, block_d: int, dtype: torch.dtype, *args, **consts) -> None:
     """Launch with the first config that compiles for this key; grid_of(BLOCK_M, BLOCK_N) -> grid."""
     if _capture is not None:
         cfgs = _configs(kind, _capture.arch, block_d, dtype)
         _capture.launches.append(dict(kernel=kernel, kind=kind, args=args, consts=consts, configs=cfgs))
         return
-    arch = 0 if _interpreting() else _device_arch(args[0].device)
-    cfgs = _configs(kind, arch, block_d, dtype)
+    cfgs = _configs(kind, _arch_of(args[0]), block_d, dtype)
     if kind in _forced:
         cfgs = [_forced[kind]]
     elif key in _chosen:
@@ -547,8 +570,12 @@ def _forward(q, k, v, e, causal: bool, scale: float):
     return o, oe, lse
 
 
-def _backward(ctx, do: torch.Tensor | None, doe: torch.Tensor | None):
-    return _backward_impl(*ctx.saved_tensors, do, doe, ctx.causal, ctx.scale, ctx.needs_input_grad[:4])
+def _sum_groups(per_head: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """(B, H, S, D) fp32 per query head -> (B, H / groups, S, D) in `dtype`, token-major (GQA key/value grads)."""
+    b, h, s, d = per_head.shape
+    out = _token_major(per_head, b, h // groups, s, d, dtype)
+    out.copy_(per_head.unflatten(1, (h // groups, groups)).sum(2))
+    return out
 
 
 def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, needs: tuple[bool, ...]):
@@ -593,35 +620,93 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
         dk_h = _token_major(q, b, h, s, d, k.dtype if gk == 1 else torch.float32)
         dv_h = _token_major(q, b, h, s, dv, v.dtype if gv == 1 else torch.float32)
         de_h = _token_major(q, b, h, s, de, e.dtype) if use_e else dk_h
-        _launch(
-            _bwd_dkdv_kernel, "dkdv", ("dkdv", *key_tail), lambda bm, bn: (triton.cdiv(s, bn), h, b), bd, q.dtype,
+        dkdv_args = (
             q, k, v, e_, do_, doe_, lse, delta, dk_h, dv_h, de_h,
             *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_),
             *dk_h.stride(), *dv_h.stride(), *de_h.stride(),
-            h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E, **common,
+            h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E,
         )  # fmt: skip
+        grid = lambda bm, bn: (triton.cdiv(s, bn), h, b)  # noqa: E731
+        split = use_e and _split_de(_arch_of(q), bd, q.dtype)
+        _launch(_bwd_dkdv_kernel, "dkdv", ("dkdv", split, *key_tail), grid, bd, q.dtype, *dkdv_args, **common,
+                DO_DKDV=True, DO_DE=not split)  # fmt: skip
+        if split:  # de = P^T · do_e in its own pass (see the kernel)
+            _launch(_bwd_dkdv_kernel, "de", ("de", *key_tail), grid, bd, q.dtype, *dkdv_args, **common,
+                    DO_DKDV=False, DO_DE=True)  # fmt: skip
         if need_k:
-            dk = dk_h if gk == 1 else dk_h.unflatten(1, (h // gk, gk)).sum(2).to(k.dtype)
+            dk = dk_h if gk == 1 else _sum_groups(dk_h, gk, k.dtype)
         if need_v and use_v:
-            dv_ = dv_h if gv == 1 else dv_h.unflatten(1, (h // gv, gv)).sum(2).to(v.dtype)
+            dv_ = dv_h if gv == 1 else _sum_groups(dv_h, gv, v.dtype)
         if need_e and use_e:
             de_ = de_h
     return dq, dk, dv_, de_, None, None
 
 
-class _TapeAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, e, causal: bool, scale: float):
-        o, oe, lse = _forward(q, k, v, e, causal, scale)
-        ctx.save_for_backward(q, k, v, e, o, oe, lse)
-        ctx.causal, ctx.scale = causal, scale
-        ctx.set_materialize_grads(False)  # None upstream grads stay None: that stream's terms are skipped
-        return o, oe
+# ---- torch custom ops: opaque to torch.compile (no graph break), autograd through register_autograd -------------
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do, doe):
-        return _backward(ctx, do, doe)
+
+@torch.library.custom_op(
+    "tapetrain::tape_attention_fwd",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? e, bool causal, float scale) -> (Tensor, Tensor, Tensor)",
+)
+def _fwd_op(q, k, v, e, causal, scale):
+    o, oe, lse = _forward(q, k, v, e, causal, scale)
+    return o, (oe if oe is not None else q.new_empty(0)), lse  # ops return tensors: empty stands for "no E"
+
+
+@_fwd_op.register_fake
+def _fwd_fake(q, k, v, e, causal, scale):
+    b, h, t, _, _, dv, de, _, _ = _dims(q, k, v, e)
+    oe = _token_major(q, b, h, t, de) if e is not None else q.new_empty(0)
+    return _token_major(q, b, h, t, dv), oe, q.new_empty(b, h, t, dtype=torch.float32)
+
+
+@torch.library.custom_op(
+    "tapetrain::tape_attention_bwd",
+    mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? e, Tensor o, Tensor? oe, Tensor lse, Tensor? do, Tensor? doe, "
+    "bool causal, float scale, bool[] needs) -> (Tensor, Tensor, Tensor, Tensor)",
+)
+def _bwd_op(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs):
+    grads = _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal, scale, tuple(needs))[:4]
+    return tuple(g if g is not None else q.new_empty(0) for g in grads)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs):
+    b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
+    empty = q.new_empty(0)
+    use_e = doe is not None and e is not None
+    if do is None and not use_e:
+        return empty, empty, empty, empty
+    return (
+        _token_major(q, b, h, t, d) if needs[0] else empty,
+        _token_major(q, b, h // gk, s, d, k.dtype) if needs[1] else empty,
+        _token_major(q, b, h // gv, s, dv, v.dtype) if needs[2] and do is not None else empty,
+        _token_major(q, b, h, s, de, e.dtype) if needs[3] and use_e else empty,
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, e, causal, scale = inputs
+    o, oe, lse = output
+    ctx.save_for_backward(q, k, v, e, o, oe if e is not None else None, lse)
+    ctx.causal, ctx.scale = causal, scale
+    ctx.set_materialize_grads(False)  # a None upstream grad stays None: that stream's terms are skipped
+
+
+def _autograd_backward(ctx, do, doe, _dlse):
+    q, k, v, e, o, oe, lse = ctx.saved_tensors
+    needs = [bool(x) for x in ctx.needs_input_grad[:4]]
+    grads = _bwd_op(q, k, v, e, o, oe, lse, do, doe if e is not None else None, ctx.causal, ctx.scale, needs)
+    # an empty result stands for "no gradient" (not needed, or its stream had no upstream grad)
+    inputs = (q, k, v, e)
+    kept = [g if n and (g.numel() or not x.numel()) else None for g, n, x in zip(grads, needs, inputs, strict=True)]
+    return *kept, None, None
+
+
+torch.library.register_autograd("tapetrain::tape_attention_fwd", _autograd_backward, setup_context=_setup_context)
 
 
 def tape_attention(
@@ -637,4 +722,5 @@ def tape_attention(
     _check(q, k, v, e)
     q, k, v, e = (_unit_last_stride(x) for x in (q, k, v, e))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _TapeAttention.apply(q, k, v, e, bool(causal), scale)
+    o, oe, _ = _fwd_op(q, k, v, e, bool(causal), scale)
+    return o, (oe if e is not None else None)

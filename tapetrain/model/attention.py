@@ -186,7 +186,7 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
             )
         choice = requested
     key = (requested, choice, device.type, dtype, has_bias, has_e)
-    if key not in _logged_choices:
+    if key not in _logged_choices and not torch.compiler.is_compiling():  # logging would break a compiled graph
         _logged_choices.add(key)
         log.info(
             "attention backend: requested=%s -> %s (device=%s dtype=%s tape=%s bias=%s)",

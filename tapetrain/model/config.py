@@ -37,6 +37,11 @@ class ModelConfig:
     tie_embeddings: bool = _help("Share the input embedding and the LM head.", default=False)
     attn_backend: str = _help("Attention backend: auto, eager, sdpa, triton or flash.", default="auto")
     activation_checkpointing: bool = _help("Recompute each layer in backward to save activation memory.", default=False)
+    compile: bool = _help(
+        "torch.compile each decoder layer (as torchtitan): fuses norms, rotations and TAPE's state updates. The first "
+        "steps are slower while it compiles; not with ZeRO-3.",
+        default=False,
+    )
     causal: bool = _help("Causal (decoder) masking; False only for equivariance tests.", default=True)
     init_std: float = _help("Std of the normal init of linear and embedding weights.", default=0.02)
     tape_attn_update: bool = _help("TAPE: attention-side update E += (A·E) W_A (ablation switch).", default=True)

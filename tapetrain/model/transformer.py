@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from tapetrain.model.attention import attention, expand_heads, shifted_sparse_attention
+from tapetrain.model.attention import attention, shifted_sparse_attention
 from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
 from tapetrain.model.positions import PositionalEncoding, PositionContext
@@ -144,6 +144,14 @@ class Transformer(nn.Module):
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
+        if cfg.compile:
+            self.compile_layers()
+
+    def compile_layers(self) -> None:
+        """torch.compile every decoder layer in place (parameter names unchanged). Layers are where the
+        elementwise work is (norms, rotations, SwiGLU, TAPE's updates); the attention kernels stay opaque ops."""
+        for layer in self.layers:
+            layer.compile()
 
     def reset_parameters(self) -> None:
         """Normal(0, init_std) for projections and embeddings; TAPE's W_A and W_down at zero (RoPE twin at init)."""

@@ -636,8 +636,9 @@ def build_model(
     return Transformer(cfg)
 
 
-def _adamw(params: Iterator[torch.nn.Parameter] | list[torch.Tensor]) -> torch.optim.AdamW:
-    return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+def _adamw(params: Iterator[torch.nn.Parameter] | list[torch.Tensor], fused: bool = False) -> torch.optim.AdamW:
+    """fused: torch's single-kernel AdamW (CUDA), as a tuned training loop would use."""
+    return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=fused or None)
 
 
 class PlainOptimizer:
@@ -649,7 +650,7 @@ class PlainOptimizer:
         self.clip = clip
         self.mixed = any(p.dtype != torch.float32 for p in self.params)
         self.master = [p.detach().float().clone() for p in self.params] if self.mixed else self.params
-        self.opt = _adamw(self.master)
+        self.opt = _adamw(self.master, fused=all(p.is_cuda for p in self.params))
 
     def step(self) -> None:
         if self.mixed:
@@ -657,13 +658,12 @@ class PlainOptimizer:
                 m.grad = p.grad.float() if p.grad is not None else None
                 p.grad = None
         if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.master, self.clip)
+            torch.nn.utils.clip_grad_norm_(self.master, self.clip, foreach=True)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         if self.mixed:
             with torch.no_grad():
-                for p, m in zip(self.params, self.master, strict=True):
-                    p.copy_(m)
+                torch._foreach_copy_(self.params, self.master)
 
 
 def random_batches(vocab_size: int, batch: int, seq_len: int, device: torch.device, n: int, seed: int) -> list:
@@ -780,7 +780,8 @@ def run_train_benchmark(s: TrainSettings, progress: bool = True) -> dict:
         "warmup": s.warmup,
         "overrides": s.overrides,
         "peak_flops": _finite_or_none(peak),
-        "optimizer": "torch AdamW, grad clip 1.0" + (", fp32 master weights" if dtype != torch.float32 else ""),
+        "optimizer": "torch AdamW (fused on CUDA), grad clip 1.0"
+        + (", fp32 master weights" if dtype != torch.float32 else ""),
         "versions": software_versions(),
         "pe_list": list(s.pe_list),
     }
