@@ -928,9 +928,8 @@ def run_engine_benchmark(s: EngineSettings, progress: bool = True) -> dict:
 
     with PeakMemory(device) as mem:
         model = make_model()  # fp32; DeepSpeed casts the module for bf16/fp16 and keeps fp32 master weights
-        engine, *_ = deepspeed.initialize(
-            model=model, optimizer=_adamw(model.parameters(), fused=device.type == "cuda"), config=ds_config, dist_init_required=False
-        )
+        optimizer = _adamw(model.parameters(), fused=device.type == "cuda")
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, dist_init_required=False)
 
         def ds_step(ids: torch.Tensor, engine: Any = engine) -> torch.Tensor:
             loss = engine(ids[:, :-1], labels=ids[:, 1:]).loss
