@@ -34,18 +34,19 @@ clean-demo:
 # A bare GPU machine (torch + triton, no internet): `make gpu-wheels` here, copy the repo with gpu-wheels/ there,
 # then `make gpu-check` (= tools/gpu_check.sh gpu-check-out). GPU_PYTHON: the Python version of that machine.
 GPU_PYTHON ?= 3.12
+GPU_WHEELS_DIR ?= gpu-wheels
 GPU_WHEEL_SPECS ?= hjson==3.1.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 \
 	typing-inspection==0.4.5 typing-extensions==4.16.0 zstandard==0.25.0
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 gpu-wheels: setup
-	rm -rf gpu-wheels.tmp && mkdir gpu-wheels.tmp
+	rm -rf $(GPU_WHEELS_DIR).tmp && mkdir -p $(GPU_WHEELS_DIR).tmp
 	# DeepSpeed is pure Python; building its wheel here needs torch present, hence no build isolation.
-	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation "$(DEEPSPEED_SPEC)" -w gpu-wheels.tmp
+	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation "$(DEEPSPEED_SPEC)" -w $(GPU_WHEELS_DIR).tmp
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
-		--implementation cp $(GPU_PLATFORMS) -d gpu-wheels.tmp $(GPU_WHEEL_SPECS)
-	rm -rf gpu-wheels && mv gpu-wheels.tmp gpu-wheels
-	ls gpu-wheels
+		--implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS_DIR).tmp $(GPU_WHEEL_SPECS)
+	rm -rf $(GPU_WHEELS_DIR) && mv $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS_DIR)
+	ls $(GPU_WHEELS_DIR)
 
 gpu-check:
 	tools/gpu_check.sh gpu-check-out

@@ -227,6 +227,13 @@ def _check_deepspeed(cfg: RunConfig, c: _Checker) -> None:
             f"parameter offload needs ZeRO stage 3 but deepspeed.zero_stage={d.zero_stage}",
             "set deepspeed.zero_stage=3 or deepspeed.offload_params=false",
         )
+    if cfg.model.compile and d.zero_stage == 3:
+        c.fail(
+            "model.compile",
+            "torch.compile of the layers is not supported with deepspeed.zero_stage=3 (ZeRO-3 gathers and "
+            "releases parameters in module hooks, which break the compiled graphs)",
+            "set model.compile=false, or use deepspeed.zero_stage 1 or 2",
+        )
     if d.offload_optimizer and d.zero_stage == 0:
         c.fail(
             "deepspeed.offload_optimizer",
