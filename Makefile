@@ -6,7 +6,7 @@ TORCH_SPEC ?= torch==2.13.0
 DEEPSPEED_SPEC ?= deepspeed==0.19.8
 BIN := $(VENV)/bin
 
-.PHONY: setup test lint demo clean-demo gpu-wheels gpu-check
+.PHONY: setup test lint demo clean-demo gpu-wheels gpu-check kernel-report
 
 setup: $(VENV)/.installed
 
@@ -50,3 +50,7 @@ gpu-wheels: setup
 
 gpu-check:
 	tools/gpu_check.sh gpu-check-out
+
+# Registers / spills / shared memory of every Triton kernel for sm_80 and sm_90a (no GPU needed).
+kernel-report: setup
+	$(BIN)/python tools/kernel_report.py --out docs/benchmarks/kernel-report.json

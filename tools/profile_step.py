@@ -119,7 +119,37 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {k['ms']:8.2f} ms  {k['category']:11s} {k['kernel'][:110]}")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out} and {plot_profile(result, args.out.with_suffix('.png'))}")
     return 0
+
+
+def plot_profile(result: dict, path: Path) -> Path:
+    """Stacked bars: device time per category for each PE (ms per step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pes = list(result["pes"])
+    cats = sorted({c for r in result["pes"].values() for c in r["categories_ms"]},
+                  key=lambda c: -result["pes"][pes[0]]["categories_ms"].get(c, 0.0))  # fmt: skip
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    bottom = [0.0] * len(pes)
+    for i, cat in enumerate(cats):
+        values = [result["pes"][pe]["categories_ms"].get(cat, 0.0) for pe in pes]
+        ax.bar(pes, values, bottom=bottom, label=cat, color=f"C{i}")
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    for x, pe in enumerate(pes):
+        ax.text(x, bottom[x], f"{result['pes'][pe]['step_ms']:.0f} ms", ha="center", va="bottom", fontsize=9)
+    ax.set_ylabel("device time per step (ms)")
+    ax.set_title(f"{result['preset']}, {result['batch']}×{result['seq_len']}, {result['device']}", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
 
 
 if __name__ == "__main__":
