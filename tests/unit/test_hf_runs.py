@@ -106,10 +106,17 @@ def test_load_run_model_every_zero_stage(tmp_path, stage):
     # reference is a stage-0 save of the same training.
     if stage in (0, 2):
         reference = trained_state(run, 1)
+        for name, tensor in model.state_dict().items():
+            assert torch.allclose(tensor, reference[name].float(), atol=1e-6), name
     else:
+        # A separate stage-0 training is only equal up to rounding: ZeRO-3 reduces gradients through its own
+        # partitioned buffers, and Adam's first step (≈ lr·g/(|g| + eps)) turns a rounding difference in a gradient
+        # element near zero into an update difference of a few 1e-6 (seen: 1 element in 11264). Loading is what is
+        # under test: every tensor must agree to 1e-5 and all but a handful of elements to 1e-6.
         reference = load_run_model(str(make_run(tmp_path / "ref", "tape", stage=0)))[0].state_dict()
-    for name, tensor in model.state_dict().items():
-        assert torch.allclose(tensor, reference[name].float(), atol=1e-6), name
+        for name, tensor in model.state_dict().items():
+            diff = (tensor - reference[name].float()).abs()
+            assert float(diff.max()) < 1e-5 and int((diff > 1e-6).sum()) <= 2, (name, float(diff.max()))
     assert any(float(p.abs().max()) > 0 for n, p in model.named_parameters() if "tape_mix" in n)
 
 
