@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Performance benchmarks (DESIGN §5); logic lives in tapetrain.train.bench.
+"""Performance benchmarks (DESIGN §5); logic lives in tapetrain.bench (one module per mode).
 
   python tools/benchmark.py attention [--seq-lens 1024,2048] [--backends sdpa,triton] [--out R.json]
   python tools/benchmark.py train --preset paper-155m --seq-len 1024 [--batch 8] [--pe-list tape,rope] --out R.json
@@ -22,8 +22,8 @@ sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
 
 import torch  # noqa: E402
 
+from tapetrain import bench  # noqa: E402
 from tapetrain.model import get_preset  # noqa: E402
-from tapetrain.train import bench  # noqa: E402
 
 # Per-device defaults: (CPU, CUDA). CPU ones keep each mode under ~2 minutes on 2 shared cores.
 DEFAULTS = {

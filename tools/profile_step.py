@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from tapetrain.train import bench  # noqa: E402
+from tapetrain import bench  # noqa: E402
 
 CATEGORIES = (
     ("attention", ("_fwd_kernel", "_bwd_dkdv", "_bwd_dq", "_bwd_de", "flash", "fmha", "attention", "_attn")),
@@ -50,7 +50,7 @@ def profile_pe(pe: str, args: argparse.Namespace) -> dict:
     model.to(device=device, dtype=torch.bfloat16).train()
     opt = bench.PlainOptimizer(model)
     batches = bench.random_batches(model.cfg.vocab_size, args.batch, args.seq_len, device, 2, 1)
-    step = bench._plain_step(model, opt)
+    step = bench.plain_step(model, opt)
     for i in range(args.warmup):
         step(batches[i % 2])
     torch.cuda.synchronize()

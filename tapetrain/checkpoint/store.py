@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tapetrain.train.distributed import DistEnv, barrier
+from tapetrain.distributed import DistEnv, barrier
 
 log = logging.getLogger("tapetrain.checkpoint")
 

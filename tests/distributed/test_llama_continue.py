@@ -28,7 +28,7 @@ def tiny_llama(tmp_path_factory):
 def test_retrofit_identity_through_the_training_builder(tiny_llama, tmp_path, shard_dir):
     """Step 0 of a TAPE retrofit (built as training builds it, ZeRO-2 path) reproduces Llama's logits."""
     from tapetrain.config import load_run_config
-    from tapetrain.train.distributed import DistEnv
+    from tapetrain.distributed import DistEnv
     from tapetrain.train.model_init import build_model, resolve_model_config
 
     hf_dir, hf_model = tiny_llama

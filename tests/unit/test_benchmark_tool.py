@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tapetrain.train import bench
+from tapetrain import bench
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "benchmark.py"

@@ -1,0 +1,94 @@
+"""Performance benchmarks behind `tools/benchmark.py` (DESIGN §5). Measurements only, never pass/fail.
+
+  attention  fused-attention micro-benchmark: RoPE attention (q, k, v) vs TAPE attention (values V plus the
+             positional stream E) per backend and sequence length; forward and forward+backward.
+  train      optimizer steps of TAPE and its RoPE twin (same preset, same everything but `pe`) in one process:
+             tokens/s, step time, MFU, peak memory.
+  engine     DeepSpeed overhead: a one-rank DeepSpeed engine vs a plain PyTorch loop doing the same arithmetic.
+  layer      one decoder layer's activation memory, measured, vs the memory model.
+  data       delegates to `tools/bench_data.py` when it exists.
+
+One module per mode (attention, train, engine, layer, data); `common` holds device, dtype, timing and memory
+helpers, `report` tables, JSON and figures, `steps` the models, optimizer and timed steps that train, engine and
+layer share. The names below are re-exported so that callers use `from tapetrain import bench; bench.X`.
+
+Timing: CUDA events (attention) or `torch.cuda.synchronize` + perf_counter around whole steps (train, engine);
+perf_counter on CPU. Reported times are medians over the timed iterations/steps (robust to interference on a
+shared machine; on a dedicated GPU median ≈ mean), and tokens/s = tokens per step / median step time; the JSON
+also holds the mean and every step time.
+
+Peak memory (`peak_mem_gb`, GiB): on CUDA `torch.cuda.max_memory_allocated` over the whole measurement (model,
+optimizer state and activations), reset before each model is built. On CPU (Linux) the peak resident set of the
+process during the measurement (VmHWM, reset through /proc/self/clear_refs) minus the resident set just before
+the model was built, i.e. the host memory the model, optimizer and activations added; `null` where /proc does
+not allow that. `peak_mem_kind` in the JSON says which of the two a number is.
+
+Low-precision training (bf16/fp16): the module is cast to that dtype, as DeepSpeed's bf16 engine does, and the
+plain loops keep fp32 master weights for AdamW (grads upcast, clipped and applied in fp32, weights copied back),
+again as DeepSpeed does, so that `train` and `engine` time the arithmetic a real run performs.
+"""
+
+from tapetrain.bench.attention import (
+    ATTENTION_BACKENDS,
+    ROPE_BACKENDS,
+    TAPE_BACKENDS,
+    AttentionCase,
+    AttentionSettings,
+    attention_cases,
+    attention_flops,
+    attention_report,
+    plot_attention,
+    run_attention_benchmark,
+)
+from tapetrain.bench.common import (
+    DTYPES,
+    GIB,
+    PeakMemory,
+    default_dtype,
+    device_name,
+    pick_device,
+    release_memory,
+    software_versions,
+    synchronize,
+    time_call,
+)
+from tapetrain.bench.data import run_data_benchmark
+from tapetrain.bench.engine import (
+    ENGINE_TARGET,
+    EngineSettings,
+    engine_ds_config,
+    engine_report,
+    plot_engine,
+    run_engine_benchmark,
+)
+from tapetrain.bench.layer import LayerSettings, layer_report, plot_layer, run_layer_benchmark
+from tapetrain.bench.report import format_table, write_json_atomic
+from tapetrain.bench.steps import (
+    PlainOptimizer,
+    StepResult,
+    build_model,
+    parse_overrides,
+    plain_step,
+    random_batches,
+    timed_steps,
+    warm_up_process,
+)
+from tapetrain.bench.train import TrainSettings, plot_train, run_train_benchmark, train_report
+
+__all__ = [
+    # common
+    "DTYPES", "GIB", "PeakMemory", "default_dtype", "device_name", "pick_device", "release_memory",
+    "software_versions", "synchronize", "time_call",
+    # report
+    "format_table", "write_json_atomic",
+    # steps
+    "PlainOptimizer", "StepResult", "build_model", "parse_overrides", "plain_step", "random_batches", "timed_steps",
+    "warm_up_process",
+    # modes
+    "ATTENTION_BACKENDS", "ROPE_BACKENDS", "TAPE_BACKENDS", "AttentionCase", "AttentionSettings", "attention_cases",
+    "attention_flops", "attention_report", "plot_attention", "run_attention_benchmark",
+    "TrainSettings", "plot_train", "run_train_benchmark", "train_report",
+    "ENGINE_TARGET", "EngineSettings", "engine_ds_config", "engine_report", "plot_engine", "run_engine_benchmark",
+    "LayerSettings", "layer_report", "plot_layer", "run_layer_benchmark",
+    "run_data_benchmark",
+]  # fmt: skip

@@ -1,0 +1,301 @@
+"""`attention` mode: RoPE attention (q, k, v) vs TAPE attention (values V plus the positional stream E) per
+backend and sequence length, forward and forward+backward."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions, time_call
+from tapetrain.bench.report import format_table, pyplot, save_figure, title_suffix
+from tapetrain.model.attention import attention, backend_available, expand_heads
+
+log = logging.getLogger("tapetrain.bench")
+
+# Backend labels of the attention micro-benchmark. "flash" is RoPE on flash-attn; TAPE on flash-attn has two
+# exact strategies (tapetrain.kernels.flash), measured separately.
+ROPE_BACKENDS = ("sdpa", "flash")
+TAPE_BACKENDS = ("eager", "sdpa", "triton", "flash:two_calls", "flash:padded")
+ATTENTION_BACKENDS = ("eager", "sdpa", "triton", "flash", "flash:two_calls", "flash:padded")
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    pe: str  # "rope": q, k, v | "tape": values V plus the positional stream E (one softmax)
+    backend: str  # a label from ATTENTION_BACKENDS
+    fn: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _flash_strategy(strategy: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    def run(q, k, v, e=None, *, causal=True):
+        from tapetrain.kernels.flash import flash_tape_attention  # lazy: needs flash-attn
+
+        return flash_tape_attention(q, k, v, e, causal=causal, strategy=strategy)
+
+    return run
+
+
+def _via_dispatch(backend: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    def run(q, k, v, e=None, *, causal=True):
+        return attention(q, k, v, e, causal=causal, backend=backend)
+
+    return run
+
+
+def attention_cases(
+    device: torch.device, dtype: torch.dtype, backends: Sequence[str] | None = None
+) -> tuple[list[AttentionCase], list[str]]:
+    """The (pe, backend) pairs that can run here, filtered by `backends` (a family name like "flash" selects
+    all its variants); returns (cases, notes explaining what was skipped)."""
+    if backends:
+        unknown = sorted(set(backends) - set(ATTENTION_BACKENDS))
+        if unknown:
+            raise ValueError(f"--backends: unknown {', '.join(unknown)}; choose from {', '.join(ATTENTION_BACKENDS)}")
+    notes: list[str] = []
+    flash_ok = backend_available("flash", device)
+    if flash_ok and dtype == torch.float32:
+        flash_ok = False
+        notes.append("flash-attn needs fp16/bf16: flash backends skipped for fp32")
+    elif not flash_ok:
+        notes.append("flash-attn not installed or no CUDA: flash backends skipped")
+    triton_ok = backend_available("triton", device)
+    if device.type != "cuda":
+        if triton_ok:
+            notes.append(
+                "TRITON_INTERPRET=1: triton runs in the CPU interpreter; its timings are meaningless (correctness only)"
+            )
+        else:
+            notes.append("triton skipped on CPU (set TRITON_INTERPRET=1 to run the interpreter; timings meaningless)")
+    elif not triton_ok:
+        notes.append("triton not installed: triton backend skipped")
+
+    available = {"eager": True, "sdpa": True, "triton": triton_ok, "flash": flash_ok}
+    candidates = [AttentionCase("rope", b, _via_dispatch(b)) for b in ROPE_BACKENDS] + [
+        AttentionCase("tape", b, _flash_strategy(b.split(":")[1]) if b.startswith("flash:") else _via_dispatch(b))
+        for b in TAPE_BACKENDS
+    ]
+
+    def wanted(label: str) -> bool:
+        return not backends or label in backends or label.split(":")[0] in backends
+
+    cases = [c for c in candidates if available[c.backend.split(":")[0]] and wanted(c.backend)]
+    return cases, notes
+
+
+def attention_flops(
+    batch: int, heads: int, seq_len: int, head_dim: int, value_dim: int, causal: bool = True
+) -> tuple[float, float]:
+    """(forward, backward) model FLOPs of attention with value width `value_dim` (D for RoPE, 2D for TAPE).
+
+    Forward: QKᵀ over D plus A·[V ‖ E]; backward: recompute QKᵀ, dP and d[V ‖ E] over the value width, dQ and dK
+    over D (the flash-attention convention, 2.5× forward for RoPE). Causal attention counts half the pairs.
+    """
+    pairs = batch * heads * seq_len * seq_len * (0.5 if causal else 1.0)
+    return 2 * pairs * (head_dim + value_dim), 2 * pairs * (3 * head_dim + 2 * value_dim)
+
+
+@dataclass
+class AttentionSettings:
+    seq_lens: list[int]
+    batch: int
+    heads: int
+    head_dim: int
+    kv_heads: int | None = None
+    dtype: str = "fp32"
+    warmup: int = 2
+    iters: int = 5
+    backends: list[str] | None = None
+    device: str = "auto"
+    seed: int = 0
+
+
+def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict:
+    """Times every available (pe, backend) at each sequence length; timing as in the `tapetrain.bench` docstring."""
+    device = pick_device(s.device)
+    dtype = DTYPES[s.dtype]
+    kv_heads = s.kv_heads or s.heads
+    if s.heads % kv_heads:
+        raise ValueError(f"--heads {s.heads} is not a multiple of --kv-heads {kv_heads}")
+    cases, notes = attention_cases(device, dtype, s.backends)
+    for note in notes:
+        if note.startswith("TRITON_INTERPRET"):
+            log.warning(note)  # the others are printed with the table
+    if not cases:
+        raise RuntimeError(f"no attention backend left to run on {device.type} (notes: {'; '.join(notes)})")
+    gen = torch.Generator(device=device).manual_seed(s.seed)
+    rows: list[dict] = []
+    bar = tqdm(total=len(cases) * len(s.seq_lens), desc="attention", disable=not progress or None, leave=False)
+    for t in s.seq_lens:
+
+        def rand(heads: int, gen: torch.Generator = gen, t: int = t) -> torch.Tensor:
+            x = torch.randn(s.batch, heads, t, s.head_dim, generator=gen, device=device, dtype=torch.float32)
+            return x.to(dtype).requires_grad_(True)
+
+        # Shapes as inside the model: TAPE keys are expanded to query heads (E is per query head), values are not.
+        q, k, v, e = rand(s.heads), rand(kv_heads), rand(kv_heads), rand(s.heads)
+        k_tape = expand_heads(k.detach(), s.heads).requires_grad_(True)
+        grad_o = torch.randn_like(q)
+        for case in cases:
+            bar.set_postfix_str(f"T={t} {case.pe}/{case.backend}")
+            inputs = (q, k, v, None) if case.pe == "rope" else (q, k_tape, v, e)
+            row = _time_attention_case(case, inputs, grad_o, device, s, t)
+            if case.backend == "triton" and device.type != "cuda":
+                row["interpreted"] = True  # kept out of the TAPE/RoPE ratio
+            rows.append(row)
+            bar.update()
+        del q, k, v, e, k_tape, grad_o
+        release_memory(device)
+    bar.close()
+
+    ratios = []
+    for t in s.seq_lens:
+        best: dict[str, dict] = {}
+        for row in rows:
+            if row["seq_len"] == t and row.get("fwd_bwd_ms") is not None and not row.get("interpreted"):
+                if row["pe"] not in best or row["fwd_bwd_ms"] < best[row["pe"]]["fwd_bwd_ms"]:
+                    best[row["pe"]] = row
+        if "tape" in best and "rope" in best:
+            ratios.append(
+                {
+                    "seq_len": t,
+                    "tape_backend": best["tape"]["backend"],
+                    "rope_backend": best["rope"]["backend"],
+                    "ratio": best["tape"]["fwd_bwd_ms"] / best["rope"]["fwd_bwd_ms"],
+                }
+            )
+    return {
+        "mode": "attention",
+        "device": device_name(device),
+        "dtype": s.dtype,
+        "batch": s.batch,
+        "heads": s.heads,
+        "kv_heads": kv_heads,
+        "head_dim": s.head_dim,
+        "causal": True,
+        "seq_lens": list(s.seq_lens),
+        "warmup": s.warmup,
+        "iters": s.iters,
+        "timing": "median; CUDA events" if device.type == "cuda" else "median; perf_counter",
+        "notes": notes,
+        "versions": software_versions(),
+        "results": rows,
+        "tape_over_rope_fwd_bwd": ratios,
+    }
+
+
+def _time_attention_case(
+    case: AttentionCase,
+    inputs: tuple[torch.Tensor, ...],
+    grad_o: torch.Tensor,
+    device: torch.device,
+    s: AttentionSettings,
+    seq_len: int,
+) -> dict:
+    q, k, v, e = inputs
+    leaves = [x for x in (q, k, v, e) if x is not None]
+    value_dim = s.head_dim * (2 if e is not None else 1)
+    fwd_flops, bwd_flops = attention_flops(s.batch, s.heads, seq_len, s.head_dim, value_dim)
+    row: dict[str, Any] = {"seq_len": seq_len, "pe": case.pe, "backend": case.backend}
+
+    def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
+        return case.fn(q, k, v, e, causal=True)  # grad mode on: the forward as it runs in training
+
+    def forward_backward() -> None:
+        out, out_e = forward()
+        outputs, grads = [out], [grad_o]
+        if out_e is not None:
+            outputs.append(out_e)
+            grads.append(grad_o)
+        torch.autograd.grad(outputs, leaves, grads)  # returns the grads; nothing accumulates in .grad
+
+    try:
+        fwd = statistics.median(time_call(forward, device, s.warmup, s.iters))
+        if device.type == "cuda":
+            release_memory(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        both = statistics.median(time_call(forward_backward, device, s.warmup, s.iters))
+        if device.type == "cuda":
+            row["fwd_bwd_extra_mem_gb"] = (torch.cuda.max_memory_allocated(device) - base) / GIB
+    except Exception as err:  # one backend failing (OOM, unsupported shape) must not lose the others' results
+        message = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+        log.warning("attention %s/%s at T=%d failed: %s", case.pe, case.backend, seq_len, message)
+        row["error"] = f"{type(err).__name__}: {message}"
+        release_memory(device)
+        return row
+    row.update(
+        fwd_ms=fwd * 1e3,
+        fwd_bwd_ms=both * 1e3,
+        fwd_tflops=fwd_flops / fwd / 1e12,
+        fwd_bwd_tflops=(fwd_flops + bwd_flops) / both / 1e12,
+    )
+    return row
+
+
+def attention_report(result: dict) -> str:
+    on_cuda = any("fwd_bwd_extra_mem_gb" in r for r in result["results"])
+    rates = [r["fwd_bwd_tflops"] for r in result["results"] if r.get("fwd_bwd_tflops") is not None]
+    unit, scale = ("TFLOP/s", 1.0) if rates and max(rates) >= 1 else ("GFLOP/s", 1e3)  # readable on CPU too
+    headers = ["seq_len", "pe", "backend", "fwd ms", "fwd+bwd ms", f"fwd+bwd {unit}"]
+    headers += ["fwd+bwd extra mem GB"] if on_cuda else []
+    rows = []
+    for r in result["results"]:
+        rate = r["fwd_bwd_tflops"] * scale if r.get("fwd_bwd_tflops") is not None else None
+        row = [r["seq_len"], r["pe"], r["backend"], r.get("fwd_ms"), r.get("fwd_bwd_ms"), rate]
+        rows.append(row + ([r.get("fwd_bwd_extra_mem_gb")] if on_cuda else []))
+    lines = [
+        f"attention: {result['device']}, {result['dtype']}, batch {result['batch']}, heads {result['heads']} "
+        f"(kv {result['kv_heads']}), head_dim {result['head_dim']}, causal; median of {result['iters']} "
+        f"after {result['warmup']} warmup",
+        format_table(headers, rows),
+    ]
+    errors = [r for r in result["results"] if "error" in r]
+    lines += [f"  failed: T={r['seq_len']} {r['pe']}/{r['backend']}: {r['error']}" for r in errors]
+    if result["tape_over_rope_fwd_bwd"]:
+        lines.append("TAPE / RoPE fwd+bwd time (best backend each; target ≤ 1.5):")
+        lines += [
+            f"  T={r['seq_len']}: {r['ratio']:.2f}  (tape {r['tape_backend']} vs rope {r['rope_backend']})"
+            for r in result["tape_over_rope_fwd_bwd"]
+        ]
+    lines += [f"note: {n}" for n in result["notes"]]
+    return "\n".join(lines)
+
+
+def plot_attention(result: dict, path: str | Path) -> Path:
+    """Time vs sequence length per (pe, backend): forward and forward+backward side by side, log-log."""
+    plt = pyplot()
+    from matplotlib.ticker import FuncFormatter
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    series: dict[str, list[dict]] = {}
+    for row in result["results"]:
+        if row.get("fwd_bwd_ms") is not None:
+            series.setdefault(f"{row['pe']} · {row['backend']}", []).append(row)
+    for ax, key, title in ((axes[0], "fwd_ms", "forward"), (axes[1], "fwd_bwd_ms", "forward + backward")):
+        for label, rows in series.items():
+            rows = sorted((r for r in rows if r.get(key) is not None), key=lambda r: r["seq_len"])
+            style = "--" if label.startswith("rope") else "-"
+            ax.plot([r["seq_len"] for r in rows], [r[key] for r in rows], style, marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks(result["seq_lens"], [str(t) for t in result["seq_lens"]])
+        plain = FuncFormatter(lambda value, _pos: f"{value:g}")  # 3, 10 rather than 3×10⁰, 10¹
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.set_xlabel("sequence length")
+        ax.set_ylabel("ms (median)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[1].legend(fontsize=8)
+    shape = f"B={result['batch']} H={result['heads']} D={result['head_dim']}"
+    fig.suptitle(f"TAPE vs RoPE attention ({shape}; {title_suffix(result)})")
+    out = save_figure(fig, path)
+    plt.close(fig)
+    return out

@@ -1,0 +1,111 @@
+"""`layer` mode: one decoder layer's activation memory, measured as (3 layers) − (2 layers), vs the memory model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions, synchronize
+from tapetrain.bench.report import bar_chart, format_table, title_suffix
+from tapetrain.bench.steps import build_model, random_batches
+
+
+@dataclass
+class LayerSettings:
+    preset: str
+    seq_len: int
+    batch: int = 1
+    pe: str = "tape"
+    dtype: str = "bf16"
+    backend: str = "auto"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    device: str = "auto"
+    seed: int = 0
+
+
+def _forward_memory(s: LayerSettings, n_layers: int, device: torch.device) -> dict[str, Any]:
+    """Bytes a training forward leaves allocated (what backward will consume) and the fwd+bwd peak, both above
+    the weights, for the preset cut to `n_layers` layers."""
+    from tapetrain.train.memory import measure_saved_activation_bytes
+
+    dtype = DTYPES[s.dtype]
+    model = build_model(s.preset, s.pe, s.seq_len, backend=s.backend,
+                        overrides={**s.overrides, "n_layers": n_layers}, seed=s.seed)  # fmt: skip
+    model.to(device=device, dtype=dtype).train()
+    ids = random_batches(model.cfg.vocab_size, s.batch, s.seq_len, device, 1, s.seed)[0]
+    release_memory(device)
+    cuda = device.type == "cuda"
+    base = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    out = model(ids[:, :-1], labels=ids[:, 1:])
+    after_forward = (torch.cuda.memory_allocated(device) - base) if cuda else None
+    out.loss.backward()
+    synchronize(device)
+    peak = (torch.cuda.max_memory_allocated(device) - base) if cuda else None
+    del out
+    model.zero_grad(set_to_none=True)
+    saved = measure_saved_activation_bytes(model, ids)
+    cfg = model.cfg
+    del model, ids
+    release_memory(device)
+    return {"n_layers": n_layers, "after_forward_bytes": after_forward, "peak_bytes": peak, "saved_bytes": saved,
+            "cfg": cfg}  # fmt: skip
+
+
+def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
+    """Per-layer activation bytes = (model with 3 layers) − (model with 2 layers): everything else (embedding,
+    logits, the last layer, which updates no state) cancels. Compared with memory.layer_activation_bytes."""
+    from tapetrain.train.memory import layer_activation_bytes
+
+    device = pick_device(s.device)
+    two = _forward_memory(s, 2, device)
+    three = _forward_memory(s, 3, device)
+    cfg = three.pop("cfg")
+    two.pop("cfg")
+    estimate = layer_activation_bytes(cfg, s.batch, s.seq_len, bytes_per_value=DTYPES[s.dtype].itemsize)
+
+    def diff(key: str) -> int | None:
+        return None if three[key] is None else three[key] - two[key]
+
+    measured = {key: diff(key) for key in ("after_forward_bytes", "peak_bytes", "saved_bytes")}
+    return {
+        "mode": "layer",
+        "device": device_name(device),
+        "preset": s.preset,
+        "pe": s.pe,
+        "seq_len": s.seq_len,
+        "batch": s.batch,
+        "dtype": s.dtype,
+        "backend": s.backend,
+        "versions": software_versions(),
+        "runs": [two, three],
+        "per_layer_measured_gb": {k: (v / GIB if v is not None else None) for k, v in measured.items()},
+        "per_layer_estimate_gb": estimate / GIB,
+        "measured_over_estimate": {k: (v / estimate if v is not None else None) for k, v in measured.items()},
+    }
+
+
+def layer_report(result: dict) -> str:
+    rows = [
+        [key.replace("_bytes", ""), gb, result["measured_over_estimate"][key]]
+        for key, gb in result["per_layer_measured_gb"].items()
+    ]
+    return "\n".join(
+        [
+            f"layer: {result['preset']} ({result['pe']}), {result['batch']} × {result['seq_len']} tokens, "
+            f"{result['dtype']}, {result['device']}; one decoder layer = (3 layers) − (2 layers)",
+            format_table(["measured", "GiB per layer", "measured / model"], rows),
+            f"memory model (tapetrain.train.memory.layer_activation_bytes): {result['per_layer_estimate_gb']:.3f} GiB",
+        ]
+    )
+
+
+def plot_layer(result: dict, path: str | Path) -> Path:
+    labels = ["model"] + list(result["per_layer_measured_gb"])
+    values = [result["per_layer_estimate_gb"]] + [v or 0.0 for v in result["per_layer_measured_gb"].values()]
+    return bar_chart(labels, values, f"one {result['preset']} layer, {result['seq_len']} tokens" +
+                      title_suffix(result), path, "GiB")  # fmt: skip

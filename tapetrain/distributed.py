@@ -1,0 +1,71 @@
+"""Process-group setup that works as a single process, under the deepspeed launcher, torchrun or SLURM.
+
+Neutral ground: train/ and checkpoint/ both use it, and it imports neither (checkpoint code must not depend on
+the train package).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed() -> DistEnv:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA).
+
+    Without a launcher DeepSpeed falls into MPI discovery (and fails without mpi4py), so a lone process first
+    declares itself rank 0 of 1 on a free local port.
+    """
+    import deepspeed
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    return DistEnv(
+        rank=torch.distributed.get_rank(),
+        local_rank=local_rank,
+        world_size=torch.distributed.get_world_size(),
+        device=device,
+    )
+
+
+def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
