@@ -142,10 +142,15 @@ class _NoGradContext:
 
 
 def _liger_sum(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    import inspect
+
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
+    extra = {}
+    if "accum_dtype" in inspect.signature(liger_fused_linear_cross_entropy).parameters:
+        extra["accum_dtype"] = torch.float32  # dW summed over chunks in fp32, as the chunked backend does
     loss = liger_fused_linear_cross_entropy(
-        hidden.contiguous(), weight, labels.contiguous(), ignore_index=IGNORE_INDEX, reduction="sum"
+        hidden.contiguous(), weight, labels.contiguous(), ignore_index=IGNORE_INDEX, reduction="sum", **extra
     )
     return upcast(loss)
 

@@ -1,9 +1,10 @@
 """One rank of test_fused_loss_zero3 (started by the deepspeed launcher, 2 CPU ranks over gloo).
 
 For tied and untied embeddings, builds a real ZeRO-3 engine (fp32, every parameter partitioned: persistence
-threshold 0) with model.loss_backend=plain and one with chunked (several chunks per micro-batch; TAPE weights random and non-zero), runs one
-micro-batch per rank with -100 labels (scattered, and a whole row on rank 1), gathers every full gradient with
-safe_get_full_grad, takes one optimizer step and a second forward. Rank 0 writes the comparison as JSON.
+threshold 0) with model.loss_backend=plain and one with chunked (several chunks per micro-batch; TAPE weights
+random and non-zero), runs one micro-batch per rank with -100 labels (scattered, and a whole row on rank 1),
+gathers every full gradient with safe_get_full_grad, takes one optimizer step and a second forward. Rank 0
+writes the comparison as JSON.
 
     deepspeed --num_gpus 2 tests/distributed/fused_loss_zero3_worker.py OUT.json
 """

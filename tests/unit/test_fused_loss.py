@@ -15,7 +15,7 @@ from tapetrain.model.loss import (
     linear_cross_entropy,
     resolve_loss_backend,
 )
-from tapetrain.train.memory import head_saved_bytes, measure_saved_activation_bytes
+from tapetrain.train.memory import measure_loss_saved_bytes
 
 TOKENS = torch.randint(0, 512, (3, 21), generator=torch.Generator().manual_seed(5))
 
@@ -160,17 +160,11 @@ def test_bad_settings_are_clear_errors():
 def test_fused_loss_saves_far_fewer_bytes_than_plain():
     """Measured with saved_tensors_hooks on a vocabulary-heavy model (V = 64·C, as Llama-2's 32000 vs 512 shape):
     what autograd keeps for the loss drops from N·V·4 (the fp32 log-softmax) to V·C·4, exactly as modelled."""
-    shape = dict(vocab_size=4096, n_layers=1, attn_backend="sdpa")
-    tokens = torch.randint(0, 4096, (2, 257), generator=torch.Generator().manual_seed(0))
-    saved = {}
-    for backend in ("plain", "chunked"):
-        torch.manual_seed(0)
-        model = Transformer(preset_config("tiny", loss_backend=backend, **shape))
-        saved[backend] = measure_saved_activation_bytes(model, tokens)
-    cfg = preset_config("tiny", **shape)
-    drop = head_saved_bytes(cfg, 2, 256, 4, fused=False) - head_saved_bytes(cfg, 2, 256, 4, fused=True)
-    assert saved["chunked"] < saved["plain"] / 2.5, saved
-    assert abs((saved["plain"] - saved["chunked"]) - drop) <= 64, (saved, drop)
+    cfg = preset_config("tiny", vocab_size=4096, n_layers=1, attn_backend="sdpa")
+    result = measure_loss_saved_bytes(cfg, batch=2, seq=256)
+    assert result["fused_bytes"] < result["plain_bytes"] / 2.5, result
+    assert abs(result["drop_bytes"] - result["predicted_drop_bytes"]) <= 64, result
+    assert result["predicted_drop_bytes"] == 2 * 256 * (4096 * 4 + 8) - 4096 * 64 * 4
 
 
 @pytest.mark.gpu

@@ -55,3 +55,6 @@ def test_fused_loss_column_for_llama2_7b_at_8k():
     assert estimate_memory(cfg, fused_loss=False, **common).logits_gb == pytest.approx(plain / 2**30)
     # The fused term does not grow with the vocabulary × tokens product: 4× the tokens adds only dh
     assert loss_bytes(cfg, 4, 8192) - fused == 3 * 8192 * 4096 * 2
+    # A frozen LM head (TAPE PEFT) keeps no dW: dh plus one chunk's logits and their bf16 copy
+    chunk = 2**28 // (4 * 32000)
+    assert loss_bytes(cfg, 1, 8192, head_trainable=False) == 8192 * 4096 * 2 + chunk * 32000 * 6
