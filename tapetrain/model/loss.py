@@ -10,7 +10,7 @@ Backends (`model.loss_backend`):
            are kept for backward, which scales them by the incoming gradient.
   liger    liger-kernel's fused linear cross-entropy (Triton, CUDA only; `pip install "tapetrain[liger]"`): the
            same scheme in fused kernels.
-  auto     liger on CUDA when liger-kernel is installed, else chunked.
+  auto     liger on CUDA when liger-kernel is installed (bf16/fp32), else chunked.
 
 Under ZeRO-3 these must run inside the forward of the module that owns W (DeepSpeed gathers a partitioned
 parameter only there): see `LMHead`.
@@ -46,13 +46,14 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
-def resolve_loss_backend(requested: str, device: torch.device) -> str:
-    """'auto' -> liger (CUDA with liger-kernel installed) or chunked; explicit choices are checked."""
+def resolve_loss_backend(requested: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
+    """'auto' -> liger (CUDA with liger-kernel installed, not fp16) or chunked; explicit choices are checked.
+    fp16 stays on chunked, whose unnormalised fp16 gradients and fp32 rescaling are tested against loss scaling."""
     if requested not in LOSS_BACKENDS:
         raise ValueError(f"model.loss_backend={requested!r} is unknown; choose one of {', '.join(LOSS_BACKENDS)}")
     cuda_liger = device.type == "cuda" and liger_available()
     if requested == "auto":
-        return "liger" if cuda_liger else "chunked"
+        return "liger" if cuda_liger and dtype != torch.float16 else "chunked"
     if requested == "liger" and not cuda_liger:
         raise RuntimeError(
             f"model.loss_backend=liger needs CUDA and liger-kernel (device {device.type}, liger-kernel "
@@ -77,8 +78,10 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
         # dW: accumulated in fp32 over several chunks of 16-bit weights (one rounding at the end, as the plain
-        # path's single matmul); directly in place otherwise.
-        direct = weight.dtype.itemsize >= 4 or n_tokens <= chunk_tokens
+        # path's single matmul) and kept in fp32 for fp16, whose range the unscaled sums could exceed; directly in
+        # place otherwise.
+        fp16 = weight.dtype == torch.float16
+        direct = weight.dtype.itemsize >= 4 or (n_tokens <= chunk_tokens and not fp16)
         grad_w = torch.zeros(weight.shape, dtype=weight.dtype if direct else torch.float32,
                              device=weight.device) if need_w else None  # fmt: skip
         for start in range(0, n_tokens, chunk_tokens):
@@ -106,7 +109,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 for r in range(0, grad_w.shape[0], rows):
                     grad_w[r : r + rows] += dlogits[:, r : r + rows].t() @ h  # (rows, C)
             del logits, probs, dlogits
-        if grad_w is not None and not direct:
+        if grad_w is not None and not direct and not fp16:
             grad_w = grad_w.to(weight.dtype)
         # Saved through save_for_backward, so saved-tensor hooks (offloading, the memory probe) see them.
         ctx.save_for_backward(grad_h, grad_w)
@@ -120,11 +123,18 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                                "saved gradients in place, so use model.loss_backend=plain for double backward")
         ctx.used = True
         grad_h, grad_w = ctx.saved_tensors
-        if grad_h is not None:
-            grad_h = grad_h.mul_(grad_out.to(grad_h.dtype))
-        if grad_w is not None:
-            grad_w = grad_w.mul_(grad_out.to(grad_w.dtype))
-        return grad_h, grad_w, None, None, None
+        return _scale_(grad_h, grad_out), _scale_(grad_w, grad_out), None, None, None
+
+
+def _scale_(grad: torch.Tensor | None, factor: torch.Tensor) -> torch.Tensor | None:
+    """grad *= factor in place, multiplying in fp32 for 16-bit grads (an fp16 loss scale such as 65536 is not
+    representable in fp16; the product usually is), in row blocks of at most 2**24 values."""
+    if grad is None or grad.dtype.itemsize >= 4:
+        return grad if grad is None else grad.mul_(factor.to(grad.dtype))
+    rows = max(1, 2**24 // max(1, grad[0].numel()))
+    for r in range(0, grad.shape[0], rows):
+        grad[r : r + rows] = grad[r : r + rows].float().mul_(factor)
+    return grad
 
 
 def _chunked_sum_scaled(hidden, weight, labels, scale, chunk_tokens: int) -> torch.Tensor:
@@ -174,7 +184,7 @@ def linear_cross_entropy(
         raise ValueError(f"reduction={reduction!r}; choose 'mean' or 'sum'")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape[:-1])}")
-    backend = resolve_loss_backend(backend, hidden.device)
+    backend = resolve_loss_backend(backend, hidden.device, hidden.dtype)
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
     if backend == "plain":
         return F.cross_entropy(upcast(hidden @ weight.t()), labels, ignore_index=IGNORE_INDEX, reduction=reduction)
@@ -184,12 +194,17 @@ def linear_cross_entropy(
         if reduction == "sum":
             return total
         return torch.where(count > 0, total / count.clamp(min=1), math.nan)
-    # chunked (also liger's evaluation: the same numbers, no gradient buffers)
+    # chunked (also liger's evaluation: the same numbers, no gradient buffers). The mean's 1/count goes into the
+    # saved gradients, as in the plain path, except in fp16: there they stay sums, so that small probabilities
+    # do not underflow before backward multiplies in the loss scale (with 1/count).
     dtype = torch.promote_types(hidden.dtype, torch.float32)
     one = torch.ones((), dtype=dtype, device=hidden.device)
-    scale = one / count.clamp(min=1).to(dtype) if reduction == "mean" else one
+    inner = reduction == "mean" and hidden.dtype != torch.float16
+    scale = one / count.clamp(min=1).to(dtype) if inner else one
     total = _chunked_sum_scaled(hidden, weight, labels, scale, chunk_tokens_for(weight.shape[0], chunk_mib))
-    return torch.where(count > 0, total, math.nan) if reduction == "mean" else total
+    if reduction == "sum":
+        return total
+    return torch.where(count > 0, total if inner else total / count.clamp(min=1), math.nan)
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,8 @@ def loss_bytes(
     plain: N·V·(p + 4 + 4): the logits, the fp32 log-softmax autograd keeps, and its fp32 gradient in backward.
     fused: dh (N·C·p) kept for backward; one chunk's fp32 logits, n·V·4 (+ their p-byte copy with 16-bit
     weights); and, if the head is trained, dW (V·C·p; with 16-bit weights over several chunks accumulated in
-    fp32, V·C·4, from product blocks of at most one chunk's logits, n·V·p). liger-kernel picks its own chunks.
+    fp32, V·C·4, from product blocks of at most one chunk's logits, n·V·p; fp16 keeps that fp32 dW).
+    liger-kernel picks its own chunks.
     """
     tokens, v, c, p = batch * seq, cfg.vocab_size, cfg.d_model, bytes_per_value
     if not fused:

@@ -135,6 +135,23 @@ def test_lora_wrapped_lm_head_takes_the_plain_path():
     torch.testing.assert_close(out.loss, expected)
 
 
+def test_fp16_gradients_survive_loss_scaling():
+    """fp16 (DeepSpeed multiplies the loss by a scale, here 2**16): small softmax gradients must not underflow in
+    the saved fp16 gradients before the scale arrives. Both paths against an fp32 reference."""
+    gen = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(4096, 32, generator=gen), torch.randn(2000, 32, generator=gen) * 0.4
+    labels = torch.randint(0, 2000, (4096,), generator=gen)  # mean over 4096 targets: p/4096 underflows fp16
+    grads = {}
+    for name, dtype, backend in [("ref", torch.float32, "plain"), ("plain", torch.float16, "plain"),
+                                 ("fused", torch.float16, "chunked")]:  # fmt: skip
+        h, w = (x.to(dtype, copy=True).requires_grad_() for x in (hidden, weight))
+        loss = linear_cross_entropy(h, w, labels, backend=backend, chunk_mib=0.5)
+        (loss * 2**16).backward()
+        grads[name] = (h.grad.float() / 2**16, w.grad.float() / 2**16)
+    for i in (0, 1):
+        assert rel_err(grads["fused"][i], grads["ref"][i]) <= 1.5 * rel_err(grads["plain"][i], grads["ref"][i])
+
+
 def test_double_backward_is_refused():
     hidden, weight = torch.randn(3, 8, requires_grad=True), torch.randn(20, 8)
     loss = linear_cross_entropy(hidden, weight, torch.randint(0, 20, (3,)))
