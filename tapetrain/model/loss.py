@@ -18,6 +18,7 @@ parameter only there): see `LMHead`.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 
@@ -42,6 +43,7 @@ def chunk_tokens_for(vocab_size: int, chunk_mib: float) -> int:
     return max(1, int(chunk_mib * 2**20) // (4 * vocab_size))
 
 
+@functools.cache
 def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
@@ -66,7 +68,8 @@ def resolve_loss_backend(requested: str, device: torch.device, dtype: torch.dtyp
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """scale · Σ_t CE(h_t Wᵀ, label_t) with gradients computed chunk by chunk in the forward.
 
-    hidden (N, C), weight (V, C), labels (N,) int64 (-100 = ignore), scale () fp32 -> loss () fp32.
+    hidden (N, C), weight (V, C), labels (N,) int64 (-100 = ignore), scale () -> loss (), both fp32 (fp64 for
+    fp64 inputs).
     Logits are upcast to fp32 for the softmax (`upcast`, as the plain path); dlogits are cast back to the hidden
     dtype for the two gradient matmuls, as autograd does through the upcast.
     """
@@ -76,7 +79,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         n_tokens = hidden.shape[0]
         loss = torch.zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
-        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_h = torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device) if need_h else None
         # dW: accumulated in fp32 over several chunks of 16-bit weights (one rounding at the end, as the plain
         # path's single matmul) and kept in fp32 for fp16, whose range the unscaled sums could exceed; directly in
         # place otherwise.
