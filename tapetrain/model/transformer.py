@@ -206,7 +206,7 @@ class Transformer(nn.Module):
             else:
                 x, state = layer(x, ctx, state, self.pe, layer_cache)
         hidden = self.norm(x)  # (B, T, C)
-        if labels is not None and self.cfg.loss_backend != "plain" and isinstance(self.lm_head, LMHead):
+        if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.loss_backend != "plain":
             # Fused loss inside lm_head's forward (ZeRO-3 gathers its weight there); no (B, T, V) logits.
             # (A LoRA-wrapped lm_head is no LMHead and takes the plain path.)
             return ModelOutput(logits=None, loss=self.lm_head(hidden, labels))
