@@ -170,6 +170,8 @@ def load_run_model(
     if attn_backend is not None:
         cfg.attn_backend = attn_backend
     cfg.activation_checkpointing = False
+    if cfg.loss_backend == "liger":
+        cfg.loss_backend = "auto"  # liger-kernel (CUDA only) may not be installed here; auto picks it where it is
     model = Transformer(cfg)
     expected = set(model.state_dict())
     state, source = read_deepspeed_weights(ckpt)

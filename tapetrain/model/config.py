@@ -35,6 +35,16 @@ class ModelConfig:
         "Linear position interpolation: positions are divided by this (2 for 4K->8K).", default=1.0
     )
     tie_embeddings: bool = _help("Share the input embedding and the LM head.", default=False)
+    loss_backend: str = _help(
+        "Training cross-entropy: auto (liger-kernel's fused kernel on CUDA when installed, else chunked), chunked "
+        "(plain torch, any device), liger, or plain (materialises the (B, T, V) logits). Only plain returns logits "
+        "with the loss.",
+        default="auto",
+    )
+    loss_chunk_mib: float = _help(
+        "chunked loss: tokens per chunk are chosen so that one chunk's fp32 logits take at most this many MiB.",
+        default=256.0,
+    )
     attn_backend: str = _help("Attention backend: auto, eager, sdpa, triton or flash.", default="auto")
     activation_checkpointing: bool = _help("Recompute each layer in backward to save activation memory.", default=False)
     compile: bool = _help(
@@ -122,6 +132,12 @@ class ModelConfig:
             fail("s2_attn", f"shifted sparse attention is implemented for rope and nope, not {self.pe}", "set false")
         if not 0 < self.s2_attn_group_fraction <= 1:
             fail("s2_attn_group_fraction", f"must be in (0, 1], got {self.s2_attn_group_fraction}", "use 0.25")
+        from tapetrain.model.loss import LOSS_BACKENDS
+
+        if self.loss_backend not in LOSS_BACKENDS:
+            fail("loss_backend", f"unknown backend {self.loss_backend!r}", f"choose one of {', '.join(LOSS_BACKENDS)}")
+        if not self.loss_chunk_mib > 0:
+            fail("loss_chunk_mib", f"must be > 0, got {self.loss_chunk_mib}", "use e.g. 256 (MiB of fp32 logits)")
         from tapetrain.model.attention import BACKENDS
 
         if self.attn_backend not in BACKENDS:

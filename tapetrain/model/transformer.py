@@ -21,13 +21,14 @@ from torch.utils.checkpoint import checkpoint
 from tapetrain.model.attention import attention, shifted_sparse_attention
 from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
+from tapetrain.model.loss import IGNORE_INDEX, LMHead, upcast
 from tapetrain.model.positions import PositionalEncoding, PositionContext
 from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, rotate_by_state
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor | None  # (B, T, V); None when the loss was computed without them (training, see loss.py)
     loss: torch.Tensor | None = None  # mean cross-entropy over labels != -100
 
 
@@ -140,7 +141,7 @@ class Transformer(nn.Module):
         self.pe = PositionalEncoding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i == cfg.n_layers - 1) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, loss_backend=cfg.loss_backend, chunk_mib=cfg.loss_chunk_mib)
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -182,7 +183,8 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         tape_state: torch.Tensor | None = None,
     ) -> ModelOutput:
-        """input_ids (B, T); labels (B, T) aligned with the inputs (already shifted; -100 = ignore).
+        """input_ids (B, T); labels (B, T) aligned with the inputs (already shifted; -100 = ignore). With labels the
+        loss is computed by model.loss_backend and logits are None (except the plain backend).
 
         positions (B, T) or (T,) overrides the default positions (past + arange(T) + position_offset);
         tape_state (B, H, T, D) overrides TAPE's E^(0) (tests of the O(2) property use it).
@@ -211,10 +213,15 @@ class Transformer(nn.Module):
                 x, state = checkpoint(layer, x, ctx, state, self.pe, layer_cache, use_reentrant=False)
             else:
                 x, state = layer(x, ctx, state, self.pe, layer_cache)
-        logits = self.lm_head(self.norm(x))
+        hidden = self.norm(x)  # (B, T, C)
+        if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.loss_backend != "plain":
+            # Fused loss inside lm_head's forward (ZeRO-3 gathers its weight there); no (B, T, V) logits.
+            # (A LoRA-wrapped lm_head is no LMHead and takes the plain path.)
+            return ModelOutput(logits=None, loss=self.lm_head(hidden, labels))
+        logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
+            loss = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
         return ModelOutput(logits=logits, loss=loss)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------

@@ -9,7 +9,10 @@ Activations per GPU for micro batch b and sequence s, hidden C, L layers, F SwiG
                                           b·H·s·D · 2 per layer, the same size again for an MHA model)
     recompute     one layer's saved tensors while it is recomputed (see `layer_activation_bytes`)
     no checkpointing: L · one layer's saved tensors
-    logits        b·s·V · (2 + 4 + 4)     16-bit logits, fp32 upcast for the loss and its gradient
+    loss          fused (model.loss_backend chunked/liger, the default): dh b·s·C·2 kept for backward, one
+                  chunk's logits and products n·V·(4 + 2·2), dW accumulated in fp32 V·C·4 if the head
+                  is trained (`loss_bytes`)
+                  plain: b·s·V · (2 + 4 + 4)  16-bit logits, fp32 upcast for the loss and its gradient
 Flash/fused attention never stores the s×s matrix; the eager path would add b·H·s²·2 per layer.
 """
 
@@ -20,6 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tapetrain.model.config import ModelConfig
+from tapetrain.model.loss import chunk_tokens_for
 
 GiB = 2**30
 
@@ -49,6 +53,39 @@ def layer_activation_bytes(
     return tokens * values * bytes_per_value
 
 
+def loss_bytes(
+    cfg: ModelConfig, batch: int, seq: int, bytes_per_value: int = 2, *, fused: bool = True, head_trainable: bool = True
+) -> int:
+    """Peak bytes the LM head's cross-entropy adds on top of the layers (the `logits` column), p = bytes_per_value.
+
+    plain: N·V·(p + 4 + 4): the logits, the fp32 log-softmax autograd keeps, and its fp32 gradient in backward.
+    fused: dh (N·C·p) kept for backward; one chunk's fp32 logits, n·V·4 (+ their p-byte copy with 16-bit
+    weights); and, if the head is trained, dW (V·C·p; with 16-bit weights over several chunks accumulated in
+    fp32, V·C·4, from product blocks of at most one chunk's logits, n·V·p; fp16 keeps that fp32 dW).
+    liger-kernel picks its own chunks.
+    """
+    tokens, v, c, p = batch * seq, cfg.vocab_size, cfg.d_model, bytes_per_value
+    if not fused:
+        return tokens * v * (p + 4 + 4)
+    chunk = min(tokens, chunk_tokens_for(v, cfg.loss_chunk_mib))
+    cast = 0 if p >= 4 else p  # 16-bit: dlogits' copy in the weight dtype
+    dh, logits = tokens * c * p, chunk * v * (4 + cast)
+    if not head_trainable:
+        return dh + logits
+    if p >= 4 or tokens <= chunk:  # dW accumulated in place in the weight dtype
+        return dh + v * c * p + logits
+    return dh + v * c * 4 + max(logits + chunk * v * p, v * c * p)  # fp32 accumulator, then its cast
+
+
+def head_saved_bytes(cfg: ModelConfig, batch: int, seq: int, bytes_per_value: int = 2, *, fused: bool = True) -> int:
+    """Bytes autograd keeps for the backward of what follows the layers (as `measure_saved_activation_bytes` sees
+    them): the final RMSNorm's input and output (2·N·C·p), then the loss: plain keeps the LM head's input h
+    (N·C·p), the fp32 log-softmax (N·V·4) and the int64 labels (N·8); fused keeps dh (N·C·p) and dW (V·C·p)."""
+    tokens, v, c, p = batch * seq, cfg.vocab_size, cfg.d_model, bytes_per_value
+    loss = tokens * c * p + (v * c * p if fused else tokens * v * 4 + tokens * 8)
+    return 2 * tokens * c * p + loss
+
+
 @dataclass
 class MemoryEstimate:
     weights_gb: float
@@ -72,6 +109,8 @@ def estimate_memory(
     activation_checkpointing: bool,
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    fused_loss: bool = True,
+    lm_head_trainable: bool = True,
 ) -> MemoryEstimate:
     n = world_size
     weights = 2 * total_params / (n if zero_stage == 3 else 1)
@@ -93,7 +132,7 @@ def estimate_memory(
     else:
         last = layer_activation_bytes(cfg, micro_batch, seq_len, updates_state=False)
         activations = (cfg.n_layers - 1) * layer + last
-    logits = tokens * cfg.vocab_size * (2 + 4 + 4)
+    logits = loss_bytes(cfg, micro_batch, seq_len, fused=fused_loss, head_trainable=lm_head_trainable)
     total = weights + grads + optimizer + activations + logits
     return MemoryEstimate(
         *(x / GiB for x in (weights, grads, optimizer, activations, logits, total, host))
@@ -117,6 +156,25 @@ def measure_saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor)
         out = model(tokens[:, :-1], labels=tokens[:, 1:])
     out.loss.backward()
     return sum(seen.values())
+
+
+def measure_loss_saved_bytes(cfg: ModelConfig, batch: int, seq: int, seed: int = 0) -> dict:
+    """Saved bytes of one fp32 training forward with the plain and the fused (chunked) loss, same weights and
+    tokens, next to `head_saved_bytes`' prediction of the difference (CPU-sized configs: it runs the model)."""
+    import dataclasses
+
+    from tapetrain.model.transformer import Transformer
+
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=torch.Generator().manual_seed(seed))
+    measured = {}
+    for backend in ("plain", "chunked"):
+        torch.manual_seed(seed)
+        model = Transformer(dataclasses.replace(cfg, loss_backend=backend))
+        measured[backend] = measure_saved_activation_bytes(model, tokens)
+        del model
+    predicted = head_saved_bytes(cfg, batch, seq, 4, fused=False) - head_saved_bytes(cfg, batch, seq, 4, fused=True)
+    return {"plain_bytes": measured["plain"], "fused_bytes": measured["chunked"],
+            "drop_bytes": measured["plain"] - measured["chunked"], "predicted_drop_bytes": predicted}  # fmt: skip
 
 
 def as_row(name: str, est: MemoryEstimate) -> dict:
