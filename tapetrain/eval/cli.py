@@ -58,9 +58,21 @@ def configure_eval_ppl_parser(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("model", metavar="MODEL", help="Hugging Face export directory or run directory")
     parser.add_argument("--data", required=True, help="flat uint16 .bin (LongLoRA), prepared shard dir, or text")
     parser.add_argument("--lengths", type=parse_lengths, default=None, help="context lengths (default 1024,...,8192)")
-    parser.add_argument("--protocol", choices=("nonoverlap", "sliding", "longlora"), default=None,
-                        help="nonoverlap (default), sliding (needs --stride) or longlora (a window every 256 tokens)")
+    parser.add_argument(
+        "--protocol", choices=("nonoverlap", "sliding", "longlora", "longlora-eval"), default=None,
+        help="nonoverlap (default: each target once); sliding (needs --stride); longlora = the TAPE paper's PPL "
+        "table: LongLoRA's eval_distributed.py and the TAPE repository's eval_llama.py (starts range(0, N-L, 256), "
+        "all L-1 predictions of each window scored, token-weighted); longlora-eval = LongLoRA's eval.py (the same "
+        "starts minus the last, mean of per-batch mean losses, 2.71828**loss)")
     parser.add_argument("--stride", type=int, default=None, help="sliding protocol: tokens between window starts")
+    parser.add_argument("--reference-ranks", type=int, default=1, metavar="R",
+                        help="longlora: the GPUs the reference ran on; DistributedSampler then repeats windows to a "
+                        "multiple of R (default 1: no repeats)")
+    parser.add_argument("--reference-batch-size", type=int, default=None, metavar="B",
+                        help="longlora-eval: windows per averaged batch, eval.py's --batch_size (default 32)")
+    parser.add_argument("--split", choices=("val", "train"), default=None,
+                        help="shard directories: split to evaluate (default val; without a val split, --split train "
+                        "must be given)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--plot", default=None, help="PNG of PPL vs length (with any --compare results)")
     parser.add_argument("--compare", nargs="+", default=None, metavar="R.json", help="earlier results to plot too")
@@ -80,7 +92,8 @@ def configure_eval_ppl_parser(parser: argparse.ArgumentParser) -> argparse.Argum
         run_eval_ppl(args.model, args.data, args.lengths, protocol=args.protocol, stride=args.stride,
                      dtype=args.dtype, max_tokens=args.max_tokens, batch_size=args.batch_size,
                      tokenizer=args.tokenizer, token_dtype=args.token_dtype, step=args.step, out=args.out,
-                     plot=args.plot, compare=args.compare)
+                     plot=args.plot, compare=args.compare, split=args.split, reference_ranks=args.reference_ranks,
+                     reference_batch_size=args.reference_batch_size)
         return 0
 
     parser.set_defaults(func=run)
