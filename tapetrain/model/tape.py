@@ -61,3 +61,31 @@ class TapeMlpUpdate(nn.Module):
         up = torch.einsum("bmtd,im->bitd", state, self.up_proj.weight)  # (B, I, T, D)
         hidden = up * gate.transpose(1, 2)[..., None]  # (B, I, T, D)
         return state + torch.einsum("bitd,mi->bmtd", hidden, self.down_proj.weight)
+
+
+class TapeMlpUpdateNonEquivariant(nn.Module):
+    """The ablation without TAPE's equivariance constraints (the official code's non-equivariant variant).
+
+    The official variant flattens its cos and sin tensors (heads × head dim) and mixes that whole axis:
+    c ← c + W_down(SiLU(W_x m) ⊙ W_up c), the same for s, with the same weights. Here that acts on our layout: the
+    c and the s halves of E, each flattened over heads × frequencies (M·F = C/2 channels). Mixing frequencies
+    breaks O(2) equivariance and with it shift invariance. (The official code stores cos and sin with duplicated
+    halves that its update lets drift apart, i.e. general 2×2 blocks; our D-number state keeps blocks c·I + s·J.)
+    W_down starts at zero, so a fresh model is still its RoPE twin.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, channels: int):
+        super().__init__()
+        width = n_heads * (head_dim // 2)  # M·F
+        self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
+        self.up_proj = nn.Linear(width, channels, bias=False)  # W_up: M·F -> I
+        self.down_proj = nn.Linear(channels, width, bias=False)  # W_down: I -> M·F
+        self.down_proj.zero_init = True  # read by Transformer.init_module
+
+    def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        b, m, t, d = state.shape
+        gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
+        halves = state.reshape(b, m, t, 2, d // 2).permute(0, 3, 2, 1, 4).reshape(b, 2, t, m * (d // 2))  # c, s
+        update = self.down_proj(self.up_proj(halves) * gate[:, None])  # (B, 2, T, M·F)
+        update = update.view(b, 2, t, m, d // 2).permute(0, 3, 2, 1, 4).reshape(b, m, t, d)
+        return state + update
