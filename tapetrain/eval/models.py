@@ -12,6 +12,12 @@ import torch
 log = logging.getLogger("tapetrain.eval")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EVAL_SEED = 2  # torch.manual_seed of LongLoRA's and the TAPE repository's eval scripts
+
+
+def seed_eval() -> None:
+    """Seed torch before an evaluation: RandPE draws its positions at evaluation too, so reruns agree."""
+    torch.manual_seed(EVAL_SEED)
 
 
 @dataclass

@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from tapetrain.eval import passkey_reference as ref
-from tapetrain.eval.models import EvalModel, load_eval_model
+from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_passkey_table, plot_passkey, write_json_atomic
 
 log = logging.getLogger("tapetrain.eval")
@@ -191,6 +191,7 @@ def run_eval_passkey(
 
     resolve_passkey_args(protocol, lengths, seed, max_tokens, interval)
     model = load_eval_model(model_path, dtype, step)
+    seed_eval()
     path = tokenizer or model.tokenizer
     if not path:
         raise ValueError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the model "

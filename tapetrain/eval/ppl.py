@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
-from tapetrain.eval.models import EvalModel, load_eval_model
+from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json, write_json_atomic
 from tapetrain.eval.tokens import EvalTokens, open_eval_tokens
 from tapetrain.eval.windows import LONGLORA_EVAL_BATCH, Window, aggregate, make_windows, tokens_needed
@@ -137,6 +137,7 @@ def run_eval_ppl(
     ranks = init_eval_ranks()
     try:
         model = load_eval_model(model_path, dtype, step)
+        seed_eval()
         tokens = open_eval_tokens(data, tokenizer=tokenizer or model.tokenizer, token_dtype=token_dtype, split=split)
         tokens = tokens.limited(max_tokens)
         tokens.check_vocab(model.vocab_size)

@@ -253,3 +253,17 @@ def test_random_offset_is_allowed_exactly_for_measured_shift_invariance(tmp_path
     else:
         with pytest.raises(ConfigError, match="not shift-invariant.*set train.random_position_offset=0"):
             load_run_config(str(tmp_path / "run.yaml"), keys)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_xpos_half_precision_full_32k_sequence_on_gpu(dtype):
+    """A whole 32768-token sequence (16 query blocks of γ = 2048) in fp16/bf16 on CUDA, against fp32."""
+    ids = torch.randint(0, 512, (1, 32768), generator=torch.Generator().manual_seed(6)).cuda()
+    half = build("xpos", init_std=0.05).cuda().to(dtype)
+    exact = build("xpos", init_std=0.05).cuda()
+    with torch.no_grad():
+        out = half(ids).logits.float()
+        assert torch.isfinite(out).all()
+        ref = exact(ids).logits
+        torch.testing.assert_close(out[:, -512:], ref[:, -512:], atol=0.1, rtol=0.05)

@@ -157,3 +157,16 @@ def test_shards_without_val_split_need_split_train(tmp_path, caplog):
     assert report["results"][0]["ppl"] == pytest.approx(flat["results"][0]["ppl"], rel=1e-9)
     with pytest.raises(ValueError, match="--split applies to shard directories"):
         run_eval_ppl(str(tmp_path / "hf"), str(tmp_path / "train.bin"), [32], split="train")
+
+
+def test_randpe_evaluation_is_random_but_seeded(tmp_path):
+    """RandPE draws positions at evaluation (as its reference); the eval tools seed torch so reruns agree."""
+    from tapetrain.checkpoint.hf_export import export_model
+
+    export_model(build("randpe"), str(tmp_path / "hf"))
+    np.random.default_rng(5).integers(0, 512, 400).astype(np.uint16).tofile(tmp_path / "t.bin")
+    first = run_eval_ppl(str(tmp_path / "hf"), str(tmp_path / "t.bin"), [64])["results"][0]["ppl"]
+    assert run_eval_ppl(str(tmp_path / "hf"), str(tmp_path / "t.bin"), [64])["results"][0]["ppl"] == first
+    export_model(build("randpe", randpe_sample_at_eval=False), str(tmp_path / "fixed"))
+    fixed = run_eval_ppl(str(tmp_path / "fixed"), str(tmp_path / "t.bin"), [64])["results"][0]["ppl"]
+    assert abs(fixed / first - 1) > 1e-4
