@@ -4,8 +4,9 @@ After the RoPE rotation, xPos scales query i by ζ^(p_i/γ) and key j by ζ^(−
 ζ_f = (2f + 0.4·D) / (1.4·D) and scale base γ (2048 in the TAPE repository), so every logit carries the decay
 ζ^((p_i − p_j)/γ) ≤ 1 (causal: p_j ≤ p_i). Only that product matters: any centre c cancels in
 ζ^((p_i − c)/γ) · ζ^((c − p_j)/γ). The TAPE repository centres at c = max(training length, T) // 2, so its factors
-still reach ζ_min^(∓T/(2γ)) ≈ 3.5^(T/4096): beyond fp16's range from about 45K tokens, and on the uncentred
-absolute positions of plain xPos beyond it from 4.6K (fp32/bf16: 40K).
+still reach ζ_min^(−T/(2γ)) ≈ 3.5^(T/4096) (ζ_min = 2/7): past fp16's 65504 from about 36K tokens. Uncentred, on
+absolute positions with γ = 512 (tapetrain before), every fp16 logit was NaN from about 4.5K positions and every
+bf16/fp32 one from about 36K.
 
 Here the queries go in blocks of γ tokens, each with its own centre c = its largest query position: query factors
 are ζ^((p_i − c)/γ) ∈ [1, ζ_min^(−1)] (at most 3.5), key factors ζ^(max(c − p_j, 0)/γ) ∈ (0, 1] (keys after c

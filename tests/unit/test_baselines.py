@@ -206,6 +206,18 @@ def test_randpe_samples_every_layer_in_training_and_evaluation(monkeypatch):
     assert len(draws) == 1
 
 
+def test_randpe_per_layer_draws_survive_activation_checkpointing():
+    """Recomputing a layer in backward must redraw the same positions (checkpointing restores the RNG)."""
+    grads = []
+    for checkpointing in (False, True):
+        model = build("randpe", activation_checkpointing=checkpointing).train()
+        ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(2))
+        torch.manual_seed(9)
+        model(ids, labels=ids).loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-5)
+
+
 def test_randpe_without_eval_sampling_is_the_rope_twin():
     fixed = build("randpe", randpe_sample_at_eval=False)
     rope = build("rope")
