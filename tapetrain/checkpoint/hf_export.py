@@ -85,8 +85,16 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
             tape_mlp_update=cfg.tape_mlp_update,
             tape_channels=cfg.tape_dim,
             tape_head_mix=cfg.tape_head_mix,
+            tape_equivariant=cfg.tape_equivariant,
+            tape_layers=cfg.tape_layers,
+            randpe_max_position=cfg.randpe_max_position,
+            randpe_sample_at_eval=cfg.randpe_sample_at_eval,
+            randpe_per_layer=cfg.randpe_per_layer,
             xpos_scale_base=cfg.xpos_scale_base,
             fire_hidden=cfg.fire_hidden,
+            fire_shared=cfg.fire_shared,
+            fire_init_c=cfg.fire_init_c,
+            fire_init_threshold=cfg.fire_init_threshold,
             **common,
         )
         config.auto_map = dict(AUTO_MAP)
@@ -212,7 +220,8 @@ def verify_export(out_dir: Path, model: Transformer, dtype: str) -> dict:
             for p in reference.parameters():
                 p.copy_(p.to(DTYPES[dtype]).float())
     was_training = reference.training
-    with torch.no_grad():
+    with torch.no_grad():  # the same seed before both forwards: randpe draws the same positions in both
+        torch.manual_seed(1234)
         expected = reference.eval()(ids).logits.float()
     reference.train(was_training)
     del reference
@@ -220,6 +229,7 @@ def verify_export(out_dir: Path, model: Transformer, dtype: str) -> dict:
         str(out_dir), trust_remote_code=uses_remote_code(cfg), dtype=torch.float32
     ).eval()
     with torch.no_grad():
+        torch.manual_seed(1234)
         actual = loaded(input_ids=ids, use_cache=False).logits.float()
     kind = type(loaded).__name__
     del loaded

@@ -19,7 +19,7 @@ PLACEHOLDERS: dict[str, str] = {
     "attn_proj": r"q_proj|k_proj|v_proj|o_proj",
     "mlp_proj": r"gate_proj|up_proj|down_proj",
     "tape_proj": r"x_proj|up_proj|down_proj",
-    "fire_param": r"mlp\.\d+\.weight|mlp\.\d+\.bias|log_c|threshold",
+    "fire_param": r"mlp\.\d+\.weight|mlp\.\d+\.bias|c|threshold_scale",
 }
 
 # (tapetrain name, Hugging Face name)
@@ -34,7 +34,8 @@ KEY_TABLE: list[tuple[str, str]] = [
     # Positional extras (remote-code model only).
     ("layers.{layer}.attn.tape_mix.weight", "model.layers.{layer}.self_attn.tape_mix.weight"),
     ("layers.{layer}.tape_mlp.{tape_proj}.weight", "model.layers.{layer}.tape_mlp.{tape_proj}.weight"),
-    ("pe.fire.{fire_param}", "model.pe.fire.{fire_param}"),
+    ("pe.fire.{fire_param}", "model.pe.fire.{fire_param}"),  # fire_shared
+    ("layers.{layer}.fire.{fire_param}", "model.layers.{layer}.fire.{fire_param}"),  # FIRE per layer
 ]
 
 # HF keys that carry no weights of ours (old Llama checkpoints saved the rotary buffer).

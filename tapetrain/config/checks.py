@@ -173,6 +173,14 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
     c.non_negative(
         "train.random_position_offset", t.random_position_offset, "set 0 to disable random offsets"
     )
+    if t.random_position_offset and not cfg.model.model_config().shift_invariant:
+        variant = " with tape_equivariant=false" if cfg.model.pe == "tape" else ""
+        c.fail(
+            "train.random_position_offset",
+            f"is {t.random_position_offset} but model.pe={cfg.model.pe}{variant} is not shift-invariant (its logits "
+            "depend on absolute positions), so the offset would change what the model learns",
+            "set train.random_position_offset=0",
+        )
 
 
 def _check_optim(cfg: RunConfig, c: _Checker) -> None:

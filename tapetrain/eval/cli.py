@@ -58,13 +58,26 @@ def configure_eval_ppl_parser(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("model", metavar="MODEL", help="Hugging Face export directory or run directory")
     parser.add_argument("--data", required=True, help="flat uint16 .bin (LongLoRA), prepared shard dir, or text")
     parser.add_argument("--lengths", type=parse_lengths, default=None, help="context lengths (default 1024,...,8192)")
-    parser.add_argument("--protocol", choices=("nonoverlap", "sliding", "longlora"), default=None,
-                        help="nonoverlap (default), sliding (needs --stride) or longlora (a window every 256 tokens)")
+    parser.add_argument(
+        "--protocol", choices=("nonoverlap", "sliding", "longlora", "longlora-eval"), default=None,
+        help="nonoverlap (default: each target once); sliding (needs --stride); longlora = the TAPE paper's PPL "
+        "table: LongLoRA's eval_distributed.py and the TAPE repository's eval_llama.py (starts range(0, N-L, 256), "
+        "all L-1 predictions of each window scored, token-weighted); longlora-eval = LongLoRA's eval.py (the same "
+        "starts minus the last, mean of per-batch mean losses, 2.71828**loss)")
     parser.add_argument("--stride", type=int, default=None, help="sliding protocol: tokens between window starts")
+    parser.add_argument("--reference-ranks", type=int, default=1, metavar="R",
+                        help="longlora: the GPUs the reference ran on; DistributedSampler then repeats windows to a "
+                        "multiple of R (default 1: no repeats)")
+    parser.add_argument("--reference-batch-size", type=int, default=None, metavar="B",
+                        help="longlora-eval: windows per averaged batch, eval.py's --batch_size (default 32)")
+    parser.add_argument("--split", choices=("val", "train"), default=None,
+                        help="shard directories: split to evaluate (default val; without a val split, --split train "
+                        "must be given)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--plot", default=None, help="PNG of PPL vs length (with any --compare results)")
     parser.add_argument("--compare", nargs="+", default=None, metavar="R.json", help="earlier results to plot too")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="compute dtype (the references ran fp16)")
     parser.add_argument("--max-tokens", type=int, default=None, help="evaluate the first N tokens of the data only")
     parser.add_argument("--batch-size", type=int, default=1, help="windows per forward pass")
     parser.add_argument("--tokenizer", default=None, help="sentencepiece .model for text data (default: the model's)")
@@ -80,7 +93,8 @@ def configure_eval_ppl_parser(parser: argparse.ArgumentParser) -> argparse.Argum
         run_eval_ppl(args.model, args.data, args.lengths, protocol=args.protocol, stride=args.stride,
                      dtype=args.dtype, max_tokens=args.max_tokens, batch_size=args.batch_size,
                      tokenizer=args.tokenizer, token_dtype=args.token_dtype, step=args.step, out=args.out,
-                     plot=args.plot, compare=args.compare)
+                     plot=args.plot, compare=args.compare, split=args.split, reference_ranks=args.reference_ranks,
+                     reference_batch_size=args.reference_batch_size)
         return 0
 
     parser.set_defaults(func=run)
@@ -99,11 +113,23 @@ def add_eval_ppl_parser(subparsers) -> argparse.ArgumentParser:
 
 def configure_eval_passkey_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="Hugging Face export directory or run directory")
-    parser.add_argument("--lengths", type=parse_lengths, default=None, help="prompt lengths (default 1024,...,8192)")
-    parser.add_argument("--trials", type=int, default=20, help="trials per length")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the pass keys and their positions")
+    parser.add_argument(
+        "--protocol", choices=("tape", "longlora", "tapetrain"), default="tape",
+        help="tape (default) = the TAPE repository's eval_retrieval.py, the TAPE paper's passkey figure (20 trials, "
+        "--max-tokens 8192); longlora = LongLoRA's passkey_retrivial.py (10 trials, --max-tokens 32000); both: "
+        "filler of int(3.75*i*interval//1024*1024) characters at length point i, seeds 0..trials-1, token match. "
+        "tapetrain = ours (target token --lengths, key on sentence boundaries; not comparable with the papers)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="tape/longlora: the scripts' --max_tokens (length points = max_tokens // interval)")
+    parser.add_argument("--interval", type=int, default=None, help="tape/longlora: the scripts' --interval (1000)")
+    parser.add_argument("--lengths", type=parse_lengths, default=None,
+                        help="tapetrain protocol: prompt lengths in tokens (default 1024,...,8192)")
+    parser.add_argument("--trials", type=int, default=None,
+                        help="trials per length (default: 20 for tape and tapetrain, 10 for longlora)")
+    parser.add_argument("--seed", type=int, default=None, help="tapetrain protocol: seed of keys and positions (0)")
     parser.add_argument("--tokenizer", default=None, help="sentencepiece .model (default: the model's)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                        help="compute dtype (the references ran fp16)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--plot", default=None, help="PNG of accuracy vs length")
     parser.add_argument("--step", type=int, default=None, help="run directories: checkpoint step (default newest)")
@@ -111,7 +137,8 @@ def configure_eval_passkey_parser(parser: argparse.ArgumentParser) -> argparse.A
     def run(args: argparse.Namespace) -> int:
         from tapetrain.eval.passkey import run_eval_passkey
 
-        run_eval_passkey(args.model, args.lengths, trials=args.trials, seed=args.seed, tokenizer=args.tokenizer,
+        run_eval_passkey(args.model, args.lengths, protocol=args.protocol, trials=args.trials, seed=args.seed,
+                         max_tokens=args.max_tokens, interval=args.interval, tokenizer=args.tokenizer,
                          dtype=args.dtype, step=args.step, out=args.out, plot=args.plot)
         return 0
 
@@ -121,5 +148,6 @@ def configure_eval_passkey_parser(parser: argparse.ArgumentParser) -> argparse.A
 
 def add_eval_passkey_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("eval-passkey", help="passkey retrieval across context lengths",
-                                   description="Hide a pass key in filler text and ask for it (LongLoRA protocol).")
+                                   description="Hide a pass key in filler text and ask for it (the TAPE "
+                                   "repository's or LongLoRA's protocol, or ours).")
     return configure_eval_passkey_parser(parser)

@@ -12,6 +12,12 @@ import torch
 log = logging.getLogger("tapetrain.eval")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EVAL_SEED = 2  # torch.manual_seed of LongLoRA's and the TAPE repository's eval scripts
+
+
+def seed_eval() -> None:
+    """Seed torch before an evaluation: RandPE draws its positions at evaluation too, so reruns agree."""
+    torch.manual_seed(EVAL_SEED)
 
 
 @dataclass
@@ -38,17 +44,21 @@ class EvalModel:
         return out[:, -keep_last:] if keep_last else out
 
     @torch.no_grad()
-    def generate_greedy(self, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-        """ids (1, T) -> the (new_tokens,) greedy continuation, decoded with a KV cache."""
+    def generate_greedy(
+        self, ids: torch.Tensor, new_tokens: int, use_cache: bool = True, suppress_eos: bool = True
+    ) -> torch.Tensor:
+        """ids (1, T) -> the greedy continuation (at most new_tokens ids). suppress_eos=False lets a Hugging Face
+        model stop at its EOS (fewer ids come back); a run model always decodes new_tokens plain argmax ids."""
         ids = ids.to(self.device)
         if self.kind == "hf":
             mask = torch.ones_like(ids)
             out = self.module.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                do_sample=False, use_cache=True, pad_token_id=0,
+                input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens if suppress_eos else 0, do_sample=False, num_beams=1,
+                use_cache=use_cache, pad_token_id=0,
             )
         else:
-            out = self.module.generate(ids, new_tokens)
+            out = self.module.generate(ids, new_tokens, use_cache=use_cache)
         return out[0, ids.shape[1]:].cpu()
 
 

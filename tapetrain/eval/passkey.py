@@ -1,10 +1,17 @@
-"""Passkey retrieval (the LongLoRA / landmark-attention protocol): find a number hidden in filler text.
+"""Passkey retrieval: find a number hidden in filler text. Three protocols:
 
-Prompt = [BOS] task · filler × k · key line · filler × (n − k) · question, each segment tokenized on its own
-(so the key's token position is exact), with n filler repetitions filling the target length and k uniform in
-[0, n]. The pass key X is uniform in 1..50000; both are drawn from a generator seeded by (seed, length, trial),
-so every trial is reproducible. The model greedily decodes as many tokens as the answer has; exact match of the
-decoded text with X counts as correct.
+  tape       the TAPE repository's eval_retrieval.py exactly (the TAPE paper's passkey figure; default)
+  longlora   LongLoRA's passkey_retrivial.py exactly
+             (both in tapetrain.eval.passkey_reference: one prompt string with newlines, the key at a random
+             character offset of the filler, n_garbage characters per length point, seeds 0..trials−1, greedy
+             decoding scored by token match)
+  tapetrain  ours, an alternative that is *not* comparable with the papers: Prompt = [BOS] task · filler × k ·
+             key line · filler × (n − k) · question, each segment tokenized on its own and joined without
+             separators (so the key's token position is exact and lies on a sentence boundary), with n filler
+             repetitions filling a target token length (--lengths) and k uniform in [0, n]; the task says
+             "memorize it". The pass key X is uniform in 1..50000; both come from a generator seeded by (seed,
+             length, trial). The model greedily decodes as many tokens as the answer has; exact match of the
+             decoded text with X counts as correct.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tapetrain.eval.models import EvalModel, load_eval_model
+from tapetrain.eval import passkey_reference as ref
+from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_passkey_table, plot_passkey, write_json_atomic
 
 log = logging.getLogger("tapetrain.eval")
@@ -28,6 +36,8 @@ KEY_LINE = "The pass key is {X}. Remember it. {X} is the pass key."
 QUESTION = "What is the pass key? The pass key is"
 MAX_PASS_KEY = 50000
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
+PROTOCOLS = ("tape", "longlora", "tapetrain")
+TAPETRAIN_TRIALS = 20
 
 
 def key_line(pass_key: int) -> str:
@@ -102,12 +112,74 @@ def evaluate_passkey(model: EvalModel, tokenizer, lengths: list[int], trials: in
     return results
 
 
+def evaluate_reference_passkey(
+    model: EvalModel, tokenizer, protocol: str, max_tokens: int | None = None, interval: int = ref.INTERVAL,
+    trials: int | None = None,
+) -> list[dict]:
+    """The `protocol` script's trials (tapetrain.eval.passkey_reference), one result per length point:
+    {length (floor of the mean prompt tokens), n_garbage, accuracy, correct, trials, records}."""
+    settings = ref.REFERENCES[protocol]
+    trials = settings.trials if trials is None else trials
+    if trials < 1:
+        raise ValueError(f"--trials must be >= 1, got {trials}")
+    results = []
+    for n_garbage in ref.garbage_schedule(max_tokens or settings.max_tokens, interval):
+        records = []
+        for seed in tqdm(range(trials), desc=f"passkey[{protocol}] {n_garbage} chars", unit="trial",
+                         dynamic_ncols=True):
+            trial = ref.reference_trial(n_garbage, seed)
+            ids, answer = ref.reference_ids(tokenizer, trial)
+            # The scripts generate with use_cache=False and no minimum length: an early EOS is simply a miss.
+            new = model.generate_greedy(torch.tensor([ids]), len(answer), use_cache=False, suppress_eos=False)
+            generated = new.tolist()
+            records.append({
+                "trial": seed,
+                "seed": seed,
+                "pass_key": trial.pass_key,
+                "prefix_chars": trial.prefix_chars,
+                "depth": round(trial.depth, 4),
+                "prompt_tokens": len(ids),
+                "answer_ids": answer,
+                "generated_ids": generated,
+                "generated": tokenizer.decode(generated),
+                "correct": generated == answer,
+            })
+        correct = sum(r["correct"] for r in records)
+        length = sum(r["prompt_tokens"] for r in records) // trials  # the scripts' avg_tokens
+        if model.max_seq_len and length > model.max_seq_len:
+            log.warning("passkey length %d > the model's training context %d: evaluating extrapolation", length,
+                        model.max_seq_len)
+        results.append({"length": length, "n_garbage": n_garbage, "accuracy": correct / trials, "correct": correct,
+                        "trials": trials, "prompt_tokens": max(r["prompt_tokens"] for r in records),
+                        "records": records})
+    return results
+
+
+def resolve_passkey_args(protocol: str, lengths, seed, max_tokens, interval) -> None:
+    """Each protocol's own knobs only: --lengths/--seed for tapetrain, --max-tokens/--interval for the references."""
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown passkey protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+    if protocol == "tapetrain":
+        for name, value in (("--max-tokens", max_tokens), ("--interval", interval)):
+            if value is not None:
+                raise ValueError(f"{name} applies to the reference protocols (tape, longlora); --protocol "
+                                 "tapetrain takes --lengths")
+    else:
+        for name, value in (("--lengths", lengths), ("--seed", seed)):
+            if value is not None:
+                raise ValueError(f"{name} applies to --protocol tapetrain; the {protocol} protocol sets its lengths "
+                                 "with --max-tokens/--interval and seeds its trials 0..trials-1, as its script")
+
+
 def run_eval_passkey(
     model_path: str,
     lengths: list[int] | None = None,
     *,
-    trials: int = 20,
-    seed: int = 0,
+    protocol: str = "tape",
+    trials: int | None = None,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    interval: int | None = None,
     tokenizer: str | None = None,
     dtype: str = "fp32",
     step: int | None = None,
@@ -117,8 +189,9 @@ def run_eval_passkey(
     """The `tapetrain eval-passkey` job: load, run every length, write JSON/PNG and print a table."""
     from tapetrain.data.tokenizer import Tokenizer
 
-    lengths = sorted(set(lengths or DEFAULT_LENGTHS))
+    resolve_passkey_args(protocol, lengths, seed, max_tokens, interval)
     model = load_eval_model(model_path, dtype, step)
+    seed_eval()
     path = tokenizer or model.tokenizer
     if not path:
         raise ValueError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the model "
@@ -127,14 +200,27 @@ def run_eval_passkey(
     if tok.vocab_size > model.vocab_size:
         raise ValueError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's vocab_size is "
                          f"{model.vocab_size}; pass the tokenizer the model was trained with")
-    results = evaluate_passkey(model, tok, lengths, trials, seed)
-    report = {"model": model.name, "model_kind": model.kind, "tokenizer": tok.path, "trials": trials, "seed": seed,
-              "dtype": dtype, "trained_context": model.max_seq_len, "results": results,
-              "prompt_texts": {"task": TASK, "filler": FILLER, "key_line": KEY_LINE, "question": QUESTION}}
+    report = {"model": model.name, "model_kind": model.kind, "tokenizer": tok.path, "protocol": protocol,
+              "dtype": dtype, "trained_context": model.max_seq_len}
+    if protocol == "tapetrain":
+        trials = TAPETRAIN_TRIALS if trials is None else trials
+        seed = 0 if seed is None else seed
+        results = evaluate_passkey(model, tok, sorted(set(lengths or DEFAULT_LENGTHS)), trials, seed)
+        texts = {"task": TASK, "filler": FILLER, "key_line": KEY_LINE, "question": QUESTION}
+        report.update(trials=trials, seed=seed, reference=None)
+    else:
+        settings = ref.REFERENCES[protocol]
+        interval = interval or ref.INTERVAL
+        max_tokens = max_tokens or settings.max_tokens
+        results = evaluate_reference_passkey(model, tok, protocol, max_tokens, interval, trials)
+        texts = {"task": ref.TASK, "filler": ref.FILLER, "key_line": ref.KEY_LINE,
+                 "question": ref.QUESTION, "separator": "\n"}
+        report.update(trials=results[0]["trials"], seed=None, reference=settings.script, max_tokens=max_tokens,
+                      interval=interval)
+    report.update(results=results, prompt_texts=texts)
     print(format_passkey_table(report))
     if out:
         write_json_atomic(out, report)
     if plot:
         plot_passkey([report], plot)
     return report
-

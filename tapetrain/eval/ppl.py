@@ -7,7 +7,6 @@ token and window counts are all-reduced, so every rank reports the same numbers.
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import numpy as np
@@ -16,10 +15,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
-from tapetrain.eval.models import EvalModel, load_eval_model
+from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json, write_json_atomic
 from tapetrain.eval.tokens import EvalTokens, open_eval_tokens
-from tapetrain.eval.windows import Window, make_windows, tokens_needed
+from tapetrain.eval.windows import LONGLORA_EVAL_BATCH, Window, aggregate, make_windows, tokens_needed
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -28,9 +27,9 @@ DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 
 def score_windows(
     model: EvalModel, tokens: EvalTokens, windows: list[Window], length: int, batch_size: int, show: bool
-) -> tuple[float, int]:
-    """(sum of NLL in nats, scored tokens) over `windows`, batch_size windows per forward."""
-    nll_sum, count = 0.0, 0
+) -> list[float]:
+    """NLL sum (nats) of each window's scored predictions, batch_size windows per forward."""
+    nll: list[float] = []
     bar = tqdm(total=sum(w.tokens for w in windows), unit="tok", unit_scale=True, disable=not show,
                desc=f"ppl@{length}", dynamic_ncols=True)
     for i in range(0, len(windows), batch_size):
@@ -42,11 +41,10 @@ def score_windows(
         for row, (w, chunk) in enumerate(zip(batch, chunks, strict=True)):
             targets = torch.from_numpy(chunk[w.score_from + 1:w.score_to + 1]).to(logits.device)
             scored = logits[row, w.score_from - first:w.score_to - first].float()
-            nll_sum += float(F.cross_entropy(scored, targets, reduction="sum"))
-            count += w.tokens
+            nll.append(float(F.cross_entropy(scored, targets, reduction="sum")))
         bar.update(sum(w.tokens for w in batch))
     bar.close()
-    return nll_sum, count
+    return nll
 
 
 def evaluate_ppl(
@@ -57,8 +55,14 @@ def evaluate_ppl(
     stride: int | None = None,
     batch_size: int = 1,
     ranks: EvalRanks | None = None,
+    reference_ranks: int = 1,
+    reference_batch_size: int = LONGLORA_EVAL_BATCH,
 ) -> list[dict]:
-    """One result per length: {length, ppl, nll (mean per token), nll_sum, tokens, windows, seconds}."""
+    """One result per length: {length, ppl, nll, nll_sum, tokens, windows, batches, seconds}.
+
+    nll is the protocol's mean loss (per token, or per batch for longlora-eval) and ppl its perplexity; windows
+    count repeats (longlora with reference_ranks > 1). `batch_size` only sets windows per forward pass.
+    """
     ranks = ranks or EvalRanks()
     if batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
@@ -72,22 +76,32 @@ def evaluate_ppl(
         if model.max_seq_len and length > model.max_seq_len:
             log.warning("length %d > the model's training context %d: evaluating extrapolation", length,
                         model.max_seq_len)
-        windows = make_windows(tokens.num_tokens, length, protocol, stride)
+        windows = make_windows(tokens.num_tokens, length, protocol, stride, reference_ranks)
         start = time.perf_counter()
-        nll_sum, count = score_windows(model, tokens, windows[ranks.rank::ranks.world_size], length, batch_size,
-                                       show=ranks.is_main)
-        nll_sum, count = ranks.all_reduce_sum([nll_sum, float(count)], model.device)
-        nll = nll_sum / count
-        results.append({"length": length, "ppl": math.exp(nll), "nll": nll, "nll_sum": nll_sum,
-                        "tokens": int(count), "windows": len(windows),
-                        "seconds": round(time.perf_counter() - start, 3)})
+        mine = list(range(ranks.rank, len(windows), ranks.world_size))
+        scored = score_windows(model, tokens, [windows[i] for i in mine], length, batch_size, show=ranks.is_main)
+        per_window = [0.0] * len(windows)  # every rank fills its own windows; the sum over ranks fills them all
+        for i, value in zip(mine, scored, strict=True):
+            per_window[i] = value
+        per_window = ranks.all_reduce_sum(per_window, model.device)
+        counts = [w.tokens for w in windows]
+        summary = aggregate(protocol, per_window, counts, reference_batch_size)
+        results.append({"length": length, "ppl": summary["ppl"], "nll": summary["nll"],
+                        "nll_sum": sum(per_window), "tokens": sum(counts), "windows": len(windows),
+                        "batches": summary["batches"], "seconds": round(time.perf_counter() - start, 3)})
     return results
 
 
-def resolve_protocol(protocol: str | None, stride: int | None) -> str:
-    """--stride alone means the sliding protocol; it makes no sense with the others."""
+def resolve_protocol(
+    protocol: str | None, stride: int | None, reference_ranks: int = 1, reference_batch_size: int | None = None
+) -> str:
+    """--stride alone means the sliding protocol; it and the reference knobs make no sense with other protocols."""
     if protocol is None:
-        return "sliding" if stride is not None else "nonoverlap"
+        protocol = "sliding" if stride is not None else "nonoverlap"
+    if reference_ranks != 1 and protocol != "longlora":
+        raise ValueError(f"--reference-ranks applies to --protocol longlora, not {protocol}; drop it")
+    if reference_batch_size is not None and protocol != "longlora-eval":
+        raise ValueError(f"--reference-batch-size applies to --protocol longlora-eval, not {protocol}; drop it")
     if protocol != "sliding" and stride is not None:
         raise ValueError(f"--stride applies to --protocol sliding, not {protocol}; drop --stride or use sliding")
     if protocol == "sliding" and stride is None:
@@ -111,18 +125,24 @@ def run_eval_ppl(
     out: str | None = None,
     plot: str | None = None,
     compare: list[str] | None = None,
+    split: str | None = None,
+    reference_ranks: int = 1,
+    reference_batch_size: int | None = None,
 ) -> dict:
     """The `tapetrain eval-ppl` job: load, evaluate every length, write JSON/PNG and print a table (rank 0)."""
-    protocol = resolve_protocol(protocol, stride)
+    protocol = resolve_protocol(protocol, stride, reference_ranks, reference_batch_size)
+    reference_batch_size = reference_batch_size or LONGLORA_EVAL_BATCH
     lengths = sorted(set(lengths or DEFAULT_LENGTHS))
     compared = [read_json(p) for p in compare or []]  # fail on a bad --compare file before the long part
     ranks = init_eval_ranks()
     try:
         model = load_eval_model(model_path, dtype, step)
-        tokens = open_eval_tokens(data, tokenizer=tokenizer or model.tokenizer, token_dtype=token_dtype)
+        seed_eval()
+        tokens = open_eval_tokens(data, tokenizer=tokenizer or model.tokenizer, token_dtype=token_dtype, split=split)
         tokens = tokens.limited(max_tokens)
         tokens.check_vocab(model.vocab_size)
-        results = evaluate_ppl(model, tokens, lengths, protocol, stride, batch_size, ranks)
+        results = evaluate_ppl(model, tokens, lengths, protocol, stride, batch_size, ranks, reference_ranks,
+                               reference_batch_size)
     finally:
         ranks.close()
     report = {
@@ -131,6 +151,8 @@ def run_eval_ppl(
         "data": tokens.description,
         "protocol": protocol,
         "stride": stride,
+        "reference_ranks": reference_ranks if protocol == "longlora" else None,
+        "reference_batch_size": reference_batch_size if protocol == "longlora-eval" else None,
         "dtype": dtype,
         "max_tokens": max_tokens,
         "data_tokens": tokens.num_tokens,

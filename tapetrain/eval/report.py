@@ -43,7 +43,8 @@ def format_ppl_table(report: dict) -> str:
 
 
 def format_passkey_table(report: dict) -> str:
-    lines = [f"passkey retrieval of {report['model']} ({report['trials']} trials per length)",
+    protocol = f"{report['protocol']} protocol, " if report.get("protocol") else ""
+    lines = [f"passkey retrieval of {report['model']} ({protocol}{report['trials']} trials per length)",
              f"{'length':>8} {'accuracy':>9} {'correct':>8}"]
     for r in report["results"]:
         lines.append(f"{r['length']:>8} {r['accuracy']:>9.3f} {r['correct']:>8}")

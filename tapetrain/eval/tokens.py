@@ -14,6 +14,7 @@ from tapetrain.data.errors import DataError
 log = logging.getLogger("tapetrain.eval")
 
 TOKEN_DTYPES = ("uint16", "uint32")
+SPLITS = ("val", "train")
 
 
 @dataclass
@@ -47,7 +48,7 @@ class EvalTokens:
                                  "tokenizer or is read with the wrong --token-dtype")
 
 
-def _open_shards(path: str, token_dtype: str | None) -> EvalTokens:
+def _open_shards(path: str, token_dtype: str | None, split: str | None) -> EvalTokens:
     from tapetrain.data.format import load_manifest
     from tapetrain.data.packed import PackedDataset
 
@@ -56,7 +57,15 @@ def _open_shards(path: str, token_dtype: str | None) -> EvalTokens:
         raise ValueError(f"dtype mismatch: {path}/manifest.json stores {manifest['dtype']} ids but --token-dtype "
                          f"{token_dtype} was given; drop --token-dtype (shard directories know their dtype)")
     has_val = bool(manifest.get("splits", {}).get("val", {}).get("shards"))
-    split = "val" if has_val else "train"
+    if split is None and not has_val:  # never fall back to training data silently: that is in-sample perplexity
+        raise ValueError(f"{path} has no val split; pass --split train to evaluate on its training split "
+                         "(in-sample perplexity), or re-run `tapetrain prepare` with --val-fraction F")
+    if split == "val" and not has_val:
+        raise ValueError(f"--split val: {path} has no val split; re-run `tapetrain prepare` with --val-fraction F "
+                         "or pass --split train")
+    split = split or "val"
+    if split == "train":
+        log.warning("evaluating on the TRAINING split of %s: in-sample perplexity, not a held-out score", path)
     data = PackedDataset(path, 1, split=split)
     return EvalTokens(data.tokens, data.num_tokens, f"{path} ({split} split)", data.vocab_size)
 
@@ -88,17 +97,24 @@ def _open_text(path: str, tokenizer: str | None) -> EvalTokens:
     return EvalTokens(lambda a, b: array[a:b], len(array), f"{path} (tokenized)", tok.vocab_size)
 
 
-def open_eval_tokens(path: str, *, tokenizer: str | None = None, token_dtype: str | None = None) -> EvalTokens:
-    """Open `path`: a directory with manifest.json (val split if present, else train), a flat .bin of
-    `token_dtype` ids (default uint16, the LongLoRA layout), or any text input `tapetrain prepare` reads."""
+def open_eval_tokens(
+    path: str, *, tokenizer: str | None = None, token_dtype: str | None = None, split: str | None = None
+) -> EvalTokens:
+    """Open `path`: a directory with manifest.json (its `split`; by default val, and an error naming --split train
+    when it has none), a flat .bin of `token_dtype` ids (default uint16, the LongLoRA layout), or any text input
+    `tapetrain prepare` reads."""
     if token_dtype is not None and token_dtype not in TOKEN_DTYPES:
         raise ValueError(f"--token-dtype {token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+    if split is not None and split not in SPLITS:
+        raise ValueError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
+    if split is not None and not os.path.isdir(path):
+        raise ValueError(f"--split applies to shard directories written by `tapetrain prepare`, not {path}; drop it")
     if not os.path.exists(path):
         raise FileNotFoundError(f"eval data {path} does not exist; pass a flat .bin token file, a `tapetrain "
                                 "prepare` output directory or a text file")
     try:
         if os.path.isdir(path):
-            return _open_shards(path, token_dtype)
+            return _open_shards(path, token_dtype, split)
         if path.endswith(".bin"):
             return _open_flat(path, token_dtype)
         return _open_text(path, tokenizer)

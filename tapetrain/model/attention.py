@@ -32,6 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tapetrain.model.xpos import XposDecay, decayed_attention
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "eager", "sdpa", "triton", "flash")
@@ -251,7 +253,14 @@ def attention(
     scale: float | None = None,
     bias: torch.Tensor | None = None,
     backend: str = "auto",
+    decay: XposDecay | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dispatch to a backend. Returns (A·V, A·E or None); see the module docstring for shapes."""
+    """Dispatch to a backend. Returns (A·V, A·E or None); see the module docstring for shapes. `decay`: xPos,
+    applied query block by block (tapetrain.model.xpos) around this same dispatch."""
+    if decay is not None:
+        def attend(*args, **kwargs):
+            return attention(*args, scale=scale, backend=backend, **kwargs)
+
+        return decayed_attention(q, k, v, e, decay, attend, causal=causal, bias=bias)
     name = choose_backend(backend, device=q.device, dtype=q.dtype, has_bias=bias is not None, has_e=e is not None)
     return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias)

@@ -61,11 +61,40 @@ class ModelConfig:
         "TAPE: W_A as a full head-mixing M×M matrix ('full', the paper) or a per-head gain ('gain', the code).",
         default="full",
     )
-    randpe_max_position: int | None = _help(
-        "randpe: training positions are a sorted random subset of [0, this) (None = 4·max_seq_len).", default=None
+    tape_equivariant: bool = _help(
+        "TAPE: keep the MLP update equivariant (contract heads only). false = the ablation without the equivariance "
+        "constraints, as the official code's non-equivariant variant: the update mixes all heads × frequencies.",
+        default=True,
     )
-    xpos_scale_base: float = _help("xpos: decay length scale.", default=512.0)
+    tape_layers: list[int] | None = _help(
+        "TAPE: indices of the layers that update E (null = all; the last layer's update is never built, as the final "
+        "E is dropped). Other layers pass E on unchanged (the paper's ablation of TAPE in a subset of layers).",
+        default=None,
+    )
+    randpe_max_position: int | None = _help(
+        "randpe: positions are a sorted random subset of [0, this) (null = 2·max_seq_len, the TAPE paper's baseline).",
+        default=None,
+    )
+    randpe_sample_at_eval: bool = _help(
+        "randpe: draw random positions at evaluation too, as the TAPE paper's baseline (false = 0..T−1 at eval).",
+        default=True,
+    )
+    randpe_per_layer: bool = _help(
+        "randpe: every layer draws its own positions, as the TAPE paper's baseline (false = one draw for all layers).",
+        default=True,
+    )
+    xpos_scale_base: float = _help(
+        "xpos: decay length scale γ (2048, the TAPE paper's baseline); logits decay as ζ^((i−j)/γ).", default=2048.0
+    )
     fire_hidden: int = _help("fire: hidden width of the bias MLP.", default=32)
+    fire_shared: bool = _help(
+        "fire: one FIRE module for all layers (false = one per layer, the TAPE paper's baseline).", default=False
+    )
+    fire_init_c: float = _help("fire: initial c of ψ(x) = log(|c·x| + 1) (0.1, the baseline).", default=0.1)
+    fire_init_threshold: float = _help(
+        "fire: L₀ of the threshold L = |m·L₀|, m a learned multiplier starting at 1 (512, the baseline).",
+        default=512.0,
+    )
     s2_attn: bool = _help(
         "LongLoRA shifted sparse attention while training (full attention at evaluation); rope/nope only.",
         default=False,
@@ -90,6 +119,19 @@ class ModelConfig:
     @property
     def tape_dim(self) -> int:
         return self.tape_channels or 4 * self.n_heads
+
+    def updates_tape_state(self, layer: int) -> bool:
+        """Whether layer `layer` has TAPE's E updates: pe=tape, not the last layer, and in tape_layers if set."""
+        if self.pe != "tape" or layer >= self.n_layers - 1:
+            return False
+        return self.tape_layers is None or layer in self.tape_layers
+
+    @property
+    def shift_invariant(self) -> bool:
+        """Whether logits are unchanged by a global position offset (what train.random_position_offset needs).
+        FIRE normalises by the absolute query position; TAPE without its equivariance constraints mixes the
+        frequencies of E. Every other encoding sees only position differences."""
+        return self.pe != "fire" and not (self.pe == "tape" and not self.tape_equivariant)
 
     def validate(self) -> ModelConfig:
         def fail(key: str, problem: str, fix: str) -> None:
@@ -128,6 +170,21 @@ class ModelConfig:
             fail("ffn_hidden", f"must be positive, got {self.ffn_hidden}", "set null for the Llama default")
         if self.tape_channels is not None and self.tape_channels <= 0:
             fail("tape_channels", f"must be positive, got {self.tape_channels}", "set null for 4·n_heads")
+        if self.tape_layers is not None:
+            bad = [i for i in self.tape_layers if not isinstance(i, int) or not 0 <= i < self.n_layers]
+            if bad or len(set(self.tape_layers)) != len(self.tape_layers):
+                fail("tape_layers", f"{self.tape_layers} holds duplicates or indices outside 0..{self.n_layers - 1}",
+                     f"list distinct layer indices in 0..{self.n_layers - 1}, or null for all layers")
+            if self.pe != "tape":
+                fail("tape_layers", f"applies to pe=tape, not pe={self.pe}", "set it to null")
+        if self.randpe_max_position is not None and self.randpe_max_position < self.max_seq_len:
+            fail("randpe_max_position", f"{self.randpe_max_position} < max_seq_len={self.max_seq_len} leaves no "
+                 "room to draw training positions", "set null (2·max_seq_len) or at least max_seq_len")
+        if not self.xpos_scale_base > 0:
+            fail("xpos_scale_base", f"must be > 0, got {self.xpos_scale_base}", "use 2048")
+        if self.fire_hidden <= 0 or not self.fire_init_threshold > 0:
+            fail("fire_hidden" if self.fire_hidden <= 0 else "fire_init_threshold",
+                 f"must be positive, got {self.fire_hidden} / {self.fire_init_threshold}", "use 32 / 512")
         if self.s2_attn and self.pe not in ("rope", "nope"):
             fail("s2_attn", f"shifted sparse attention is implemented for rope and nope, not {self.pe}", "set false")
         if not 0 < self.s2_attn_group_fraction <= 1:

@@ -15,6 +15,9 @@ import torch
 from torch import nn
 
 from tapetrain.model.config import ModelConfig
+from tapetrain.model.fire import FireBias
+from tapetrain.model.randpe import draw_positions, randpe_limit
+from tapetrain.model.xpos import XposDecay, xpos_zeta
 
 
 @dataclass
@@ -24,7 +27,7 @@ class PositionContext:
     positions      (B, T) float64  absolute (offset-included, not yet interpolated) positions of the new tokens
     key_positions  (B, S) float64  positions of every key (cached + new)
     cos, sin       (B, 1, T, F)    rotary tables for rope/randpe/xpos (model dtype)
-    q_scale/k_scale (B, 1, T, D)   xpos decay factors
+    xpos           XposDecay       xpos: the decay, applied inside attention block by block (tapetrain.model.xpos)
     bias           (1|B, H, T, S)  additive attention bias for alibi/fire
     tape_init      (B, H, T, D)    TAPE's E^(0): [c ‖ s] per head
     """
@@ -33,8 +36,8 @@ class PositionContext:
     key_positions: torch.Tensor
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
-    q_scale: torch.Tensor | None = None
-    k_scale: torch.Tensor | None = None
+    xpos: XposDecay | None = None
+    resample_randpe: bool = False  # randpe drawing per layer: rotate_qk draws this layer's positions
     bias: torch.Tensor | None = None
     tape_init: torch.Tensor | None = None
 
@@ -74,29 +77,6 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float64)
 
 
-class FireBias(nn.Module):
-    """FIRE (Li et al., 2023): bias_h(i, j) = f_θ(ψ(i − j) / ψ(max(L, i))), ψ(x) = log(c·x + 1).
-
-    One module shared by all layers; f_θ is a 1 -> hidden -> n_heads MLP; c and L are learned.
-    """
-
-    def __init__(self, n_heads: int, hidden: int, init_threshold: float):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))
-        self.log_c = nn.Parameter(torch.zeros(()))  # c = exp(log_c) > 0, starts at 1
-        self.threshold = nn.Parameter(torch.tensor(float(init_threshold)))
-
-    def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> torch.Tensor:
-        """(B, T), (B, S) positions -> (B, H, T, S) bias."""
-        c = self.log_c.exp()
-        rel = q_pos[:, :, None] - k_pos[:, None, :]  # (B, T, S)
-        rel = rel.clamp(min=0) if causal else rel.abs()
-        q = q_pos.to(c.dtype)
-        denom = torch.log(c * torch.maximum(self.threshold.abs(), q) + 1)[:, :, None]  # (B, T, 1)
-        normalised = torch.log(c * rel.to(c.dtype) + 1) / denom
-        return self.mlp(normalised[..., None]).permute(0, 3, 1, 2)  # (B, H, T, S)
-
-
 class PositionalEncoding(nn.Module):
     """Builds the PositionContext for one forward pass, for any `cfg.pe`."""
 
@@ -104,30 +84,37 @@ class PositionalEncoding(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.kind = cfg.pe
-        if self.kind == "fire":
-            self.fire = FireBias(cfg.n_heads, cfg.fire_hidden, init_threshold=cfg.max_seq_len)
+        if self.kind == "fire" and cfg.fire_shared:  # otherwise every DecoderLayer holds its own (the baseline)
+            self.fire = FireBias(cfg.n_heads, cfg.fire_hidden, cfg.fire_init_c, cfg.fire_init_threshold)
 
     @property
     def rotary(self) -> bool:
         return self.kind in ("rope", "randpe", "xpos")
 
-    def default_positions(self, batch: int, length: int, past: int, offset: int, device: torch.device) -> torch.Tensor:
-        """(B, T) float64 positions of new tokens. randpe draws sorted random positions while training."""
-        if self.kind == "randpe" and self.training and past == 0:
-            limit = self.cfg.randpe_max_position or 4 * self.cfg.max_seq_len
-            if limit < length:
-                raise ValueError(
-                    f"randpe needs model.randpe_max_position >= sequence length ({limit} < {length}); raise it"
-                )
-            draws = torch.stack([torch.randperm(limit, device=device)[:length] for _ in range(batch)])
-            return draws.sort(dim=-1).values.to(torch.float64) + offset
+    @property
+    def samples_positions(self) -> bool:
+        """Whether a forward without a cache or explicit positions draws random positions (randpe)."""
+        return self.kind == "randpe" and (self.training or self.cfg.randpe_sample_at_eval)
+
+    def default_positions(
+        self, batch: int, length: int, past: int, offset: int, device: torch.device, sample: bool = False
+    ) -> torch.Tensor:
+        """(B, T) float64 positions of new tokens: past + arange(T) + offset, or with `sample` (randpe, one draw
+        for all layers) a sorted random draw + offset, the same for every row."""
+        if sample and not self.cfg.randpe_per_layer:
+            draw = draw_positions(length, randpe_limit(self.cfg.randpe_max_position, self.cfg.max_seq_len), device)
+            return (draw + offset).expand(batch, length)
         pos = torch.arange(past, past + length, device=device, dtype=torch.float64) + offset
         return pos.expand(batch, length)
 
-    def context(self, positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype) -> PositionContext:
+    def context(
+        self, positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype, sample: bool = False
+    ) -> PositionContext:
+        """Everything positional the layers share. `sample`: randpe draws positions (per layer: in rotate_qk)."""
         cfg = self.cfg
         ctx = PositionContext(positions=positions, key_positions=key_positions)
-        if self.kind in ("rope", "randpe", "xpos", "tape"):
+        ctx.resample_randpe = sample and cfg.randpe_per_layer
+        if self.kind in ("rope", "randpe", "xpos", "tape") and not ctx.resample_randpe:
             cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta, cfg.pi_factor)  # (B, T, F)
             if self.kind == "tape":
                 e0 = torch.cat([cos, sin], dim=-1).to(dtype)  # (B, T, D)
@@ -136,27 +123,27 @@ class PositionalEncoding(nn.Module):
             else:
                 ctx.cos, ctx.sin = cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, F)
         if self.kind == "xpos":
-            d = cfg.head_dim
-            zeta = (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) + 0.4 * d) / (1.4 * d)
-            zeta = torch.cat([zeta, zeta])  # (D,) duplicated over the rotate-half pair
-            power = (positions / cfg.xpos_scale_base)[..., None]  # (B, T, 1)
-            ctx.q_scale = (zeta**power)[:, None].to(dtype)  # (B, 1, T, D)
-            ctx.k_scale = (zeta ** (-power))[:, None].to(dtype)
+            zeta = xpos_zeta(cfg.head_dim, positions.device)
+            ctx.xpos = XposDecay(zeta, cfg.xpos_scale_base, positions, key_positions)
         if self.kind == "alibi":
             dist = positions[:, :, None] - key_positions[:, None, :]  # (B, T, S)
             dist = dist.clamp(min=0) if cfg.causal else dist.abs()
             slopes = alibi_slopes(cfg.n_heads).to(positions.device)  # recomputed: a few floats, no buffer to init
             ctx.bias = (-slopes[None, :, None, None] * dist[:, None]).to(dtype)  # (B, H, T, S)
-        if self.kind == "fire":
-            ctx.bias = self.fire(positions, key_positions, cfg.causal).to(dtype)
+        if self.kind == "fire" and cfg.fire_shared:
+            ctx.bias = self.fire(positions, key_positions).to(dtype)
         return ctx
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """Apply rope/randpe/xpos to q (B, H, T, D) and k (B, Hkv, T, D); identity for the rest."""
+        """Rotate q (B, H, T, D) and k (B, Hkv, T, D) for rope/randpe/xpos (xPos's decay comes later, inside
+        attention); identity for the rest."""
+        if ctx.resample_randpe:  # this layer's own draw replaces arange(T) in the (offset) positions
+            t = q.shape[2]
+            draw = draw_positions(t, randpe_limit(self.cfg.randpe_max_position, self.cfg.max_seq_len), q.device)
+            positions = ctx.positions + (draw - torch.arange(t, device=q.device, dtype=torch.float64))
+            cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.pi_factor)
+            cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # (B, 1, T, F)
+            return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if ctx.cos is None:
             return q, k
-        q = rotate_pairs(q, ctx.cos, ctx.sin)
-        k = rotate_pairs(k, ctx.cos, ctx.sin)
-        if ctx.q_scale is not None:
-            q, k = q * ctx.q_scale, k * ctx.k_scale
-        return q, k
+        return rotate_pairs(q, ctx.cos, ctx.sin), rotate_pairs(k, ctx.cos, ctx.sin)

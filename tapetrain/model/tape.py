@@ -68,3 +68,32 @@ class TapeMlpUpdate(nn.Module):
         up = torch.matmul(self.up_proj.weight, state)  # (I, M) @ (B, T, M, D) -> (B, T, I, D)
         hidden = up * gate[..., None]  # (B, T, I, D)
         return state + torch.matmul(self.down_proj.weight, hidden)  # (M, I) @ (B, T, I, D) -> (B, T, M, D)
+
+
+class TapeMlpUpdateNonEquivariant(nn.Module):
+    """The ablation without TAPE's equivariance constraints (the official code's non-equivariant variant).
+
+    The official variant flattens its cos and sin tensors (heads × head dim) and mixes that whole axis:
+    c ← c + W_down(SiLU(W_x m) ⊙ W_up c), the same for s, with the same weights. Here that acts on our layout: the
+    c and the s halves of E, each flattened over heads × frequencies (M·F = C/2 channels). Mixing frequencies
+    breaks O(2) equivariance and with it shift invariance. (The official code stores cos and sin with duplicated
+    halves that its update lets drift apart, i.e. general 2×2 blocks; our D-number state keeps blocks c·I + s·J.)
+    W_down starts at zero, so a fresh model is still its RoPE twin.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, channels: int):
+        super().__init__()
+        width = n_heads * (head_dim // 2)  # M·F
+        self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
+        self.up_proj = nn.Linear(width, channels, bias=False)  # W_up: M·F -> I
+        self.down_proj = nn.Linear(channels, width, bias=False)  # W_down: I -> M·F
+        self.down_proj.zero_init = True  # read by Transformer.init_module
+
+    def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        """state (B, T, M, D) token-major, mlp_out (B, T, C) -> updated state (B, T, M, D)."""
+        b, t, m, d = state.shape
+        gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
+        halves = state.reshape(b, t, m, 2, d // 2).permute(0, 3, 1, 2, 4).reshape(b, 2, t, m * (d // 2))  # c, s
+        update = self.down_proj(self.up_proj(halves) * gate[:, None])  # (B, 2, T, M·F)
+        update = update.view(b, 2, t, m, d // 2).permute(0, 2, 3, 1, 4).reshape(b, t, m, d)
+        return state + update

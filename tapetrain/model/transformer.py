@@ -10,6 +10,7 @@ Each layer carries two streams: token features x (B, T, C) and, for TAPE, the po
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,9 +22,10 @@ from torch.utils.checkpoint import checkpoint
 from tapetrain.model.attention import attention, shifted_sparse_attention
 from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
+from tapetrain.model.fire import FireBias
 from tapetrain.model.loss import IGNORE_INDEX, LMHead, upcast
 from tapetrain.model.positions import PositionalEncoding, PositionContext
-from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, rotate_by_state
+from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, TapeMlpUpdateNonEquivariant, rotate_by_state
 
 
 @dataclass
@@ -100,7 +102,8 @@ class Attention(nn.Module):
             out, attended = shifted_sparse_attention(q, k, v, group, self.cfg.attn_backend), None
         else:
             out, attended = attention(
-                q, k, v, e_values, causal=self.cfg.causal, bias=ctx.bias, backend=self.cfg.attn_backend
+                q, k, v, e_values, causal=self.cfg.causal, bias=ctx.bias, backend=self.cfg.attn_backend,
+                decay=ctx.xpos,
             )
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
@@ -109,11 +112,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, is_last: bool):
+    def __init__(self, cfg: ModelConfig, is_last: bool, layer: int | None = None):
         super().__init__()
         # The final E is dropped, so the last layer's E updates could never affect the output: not created
-        # (dead parameters would only get None gradients).
+        # (dead parameters would only get None gradients). model.tape_layers limits the updates to some layers.
         updates_state = cfg.pe == "tape" and not is_last
+        if layer is not None:
+            updates_state = cfg.updates_tape_state(layer)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, updates_state)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -121,8 +126,15 @@ class DecoderLayer(nn.Module):
         self.tape_mlp = (
             TapeMlpUpdate(cfg.d_model, cfg.n_heads, cfg.tape_dim) if updates_state and cfg.tape_mlp_update else None
         )
+        if self.tape_mlp is not None and not cfg.tape_equivariant:  # the ablation without equivariance
+            self.tape_mlp = TapeMlpUpdateNonEquivariant(cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.tape_dim)
+        # FIRE, as the paper's baseline: one bias module per layer (model.fire_shared: one in PositionalEncoding).
+        self.fire = FireBias(cfg.n_heads, cfg.fire_hidden, cfg.fire_init_c, cfg.fire_init_threshold) if (
+            cfg.pe == "fire" and not cfg.fire_shared) else None
 
     def forward(self, x, ctx, state, pe, cache=None):
+        if self.fire is not None:
+            ctx = dataclasses.replace(ctx, bias=self.fire(ctx.positions, ctx.key_positions).to(x.dtype))
         attn_out, state = self.attn(self.attn_norm(x), ctx, state, pe, cache)
         x = x + attn_out
         mlp_out = self.mlp(self.mlp_norm(x))
@@ -139,7 +151,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pe = PositionalEncoding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i == cfg.n_layers - 1) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i == cfg.n_layers - 1, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, loss_backend=cfg.loss_backend, chunk_mib=cfg.loss_chunk_mib)
         self.reset_parameters()
@@ -170,6 +182,8 @@ class Transformer(nn.Module):
             nn.init.ones_(module.weight)
         elif isinstance(module, TapeHeadMix):
             nn.init.zeros_(module.weight)
+        elif isinstance(module, FireBias):
+            module.reset_scalars()
         if isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
             nn.init.zeros_(module.weight)
 
@@ -196,13 +210,14 @@ class Transformer(nn.Module):
                 "tokenized with a different tokenizer; re-run prepare or fix model.vocab_size"
             )
         past = cache.length if cache is not None else 0
+        sample = positions is None and cache is None and self.pe.samples_positions  # randpe's random positions
         if positions is None:
-            positions = self.pe.default_positions(b, t, past, position_offset, input_ids.device)
+            positions = self.pe.default_positions(b, t, past, position_offset, input_ids.device, sample)
         else:
             positions = positions.to(torch.float64).expand(b, t)
         key_positions = cache.extend_positions(positions) if cache is not None else positions
         x = self.embed(input_ids)
-        ctx = self.pe.context(positions, key_positions, x.dtype)
+        ctx = self.pe.context(positions, key_positions, x.dtype, sample)
         state = tape_state if tape_state is not None else ctx.tape_init  # (B, H, T, D)
         if state is not None:
             state = state.transpose(1, 2)  # token-major (B, T, H, D) inside the layers (see model/tape.py)
@@ -251,7 +266,8 @@ class Transformer(nn.Module):
             if cfg.tape_mlp_update:
                 i = cfg.tape_dim
                 updating += 2 * c * i + 4 * i * h * d + i * d
-        forward = cfg.n_layers * per_layer + (cfg.n_layers - 1) * updating + 2 * c * cfg.vocab_size
+        n_updating = sum(cfg.updates_tape_state(i) for i in range(cfg.n_layers))
+        forward = cfg.n_layers * per_layer + n_updating * updating + 2 * c * cfg.vocab_size
         return float(3 * forward if training else forward)
 
     # ---- generation --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Passkey retrieval end to end on a tiny model with a tiny sentencepiece tokenizer (accuracy is whatever it is)."""
+"""Our own passkey protocol (--protocol tapetrain) end to end on a tiny model with a tiny sentencepiece tokenizer
+(accuracy is whatever it is). The reference protocols are in test_eval_passkey_reference.py."""
 
 import argparse
 import json
@@ -49,8 +50,9 @@ def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path):
     for name, model in (("run", run), ("hf", hf)):
         parser = argparse.ArgumentParser()
         add_eval_passkey_parser(parser.add_subparsers())
-        args = parser.parse_args(["eval-passkey", str(model), "--lengths", ",".join(map(str, LENGTHS)),
-                                  "--trials", "3", "--out", str(tmp_path / f"{name}.json"),
+        args = parser.parse_args(["eval-passkey", str(model), "--protocol", "tapetrain",
+                                  "--lengths", ",".join(map(str, LENGTHS)), "--trials", "3",
+                                  "--out", str(tmp_path / f"{name}.json"),
                                   "--plot", str(tmp_path / f"{name}.png")])
         assert args.func(args) == 0
         reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
@@ -66,5 +68,5 @@ def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path):
             assert record["prompt_tokens"] <= result["length"]
     # Same prompts and the same greedy answers from the run directory and from its export.
     assert [r["records"] for r in reports["run"]["results"]] == [r["records"] for r in report["results"]]
-    again = run_eval_passkey(str(hf), LENGTHS, trials=3)
+    again = run_eval_passkey(str(hf), LENGTHS, protocol="tapetrain", trials=3)
     assert again["results"] == report["results"]  # deterministic per seed

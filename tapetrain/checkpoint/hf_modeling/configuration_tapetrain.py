@@ -33,8 +33,16 @@ class TapetrainConfig(PreTrainedConfig):
         tape_mlp_update: bool = True,  # TAPE: E += W_down(SiLU(W_x m) ⊙ W_up E)
         tape_channels: int | None = None,  # TAPE: MLP-update channels I (None = 4 · heads)
         tape_head_mix: str = "full",  # TAPE: W_A as a full heads×heads matrix or a per-head 'gain'
-        xpos_scale_base: float = 512.0,
+        tape_equivariant: bool = True,  # False: the ablation whose MLP update mixes heads × frequencies
+        tape_layers: list[int] | None = None,  # TAPE: layers that update E (None = all but the last)
+        randpe_max_position: int | None = None,  # randpe: positions from [0, this) (None = 2 · max positions)
+        randpe_sample_at_eval: bool = True,  # randpe: random positions at evaluation too (not with a KV cache)
+        randpe_per_layer: bool = True,  # randpe: every layer draws its own positions
+        xpos_scale_base: float = 2048.0,  # xpos: decay length scale γ
         fire_hidden: int = 32,
+        fire_shared: bool = False,  # fire: one module for all layers instead of one per layer
+        fire_init_c: float = 0.1,
+        fire_init_threshold: float = 512.0,  # fire: L₀ of L = |m · L₀|
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
         bos_token_id: int | None = None,
@@ -60,8 +68,16 @@ class TapetrainConfig(PreTrainedConfig):
         self.tape_mlp_update = tape_mlp_update
         self.tape_channels = tape_channels
         self.tape_head_mix = tape_head_mix
+        self.tape_equivariant = tape_equivariant
+        self.tape_layers = list(tape_layers) if tape_layers is not None else None
+        self.randpe_max_position = randpe_max_position
+        self.randpe_sample_at_eval = randpe_sample_at_eval
+        self.randpe_per_layer = randpe_per_layer
         self.xpos_scale_base = xpos_scale_base
         self.fire_hidden = fire_hidden
+        self.fire_shared = fire_shared
+        self.fire_init_c = fire_init_c
+        self.fire_init_threshold = fire_init_threshold
         self.initializer_range = initializer_range
         # Passed up, not set here: transformers 4.x's base __init__ would overwrite them with its defaults.
         super().__init__(

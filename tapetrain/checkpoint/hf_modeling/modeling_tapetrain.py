@@ -10,7 +10,11 @@ installed. It re-implements exactly what tapetrain/model computes (the export ve
     E' = E + W_down(SiLU(W_x m) ⊙ W_up E) MLP-side update; the final E is dropped
 
 E is (B, M, T, D) per head and token: F = D/2 rotate-half blocks (c, s) stored as [c ‖ s]; E^(0) is RoPE.
-Generation caches rotated keys, values, TAPE's E and the token positions per layer (`TapetrainCache`).
+Generation caches rotated keys, values, TAPE's E and the token positions per layer (`TapetrainCache`, which
+`generate` gets in place of its default DynamicCache: greedy, sampling, beam search, assisted and prompt-lookup
+decoding and left-padded batches all run with it). The baselines follow the TAPE paper's (xPos with γ = 2048,
+applied query block by block so nothing overflows; FIRE per layer with c₀ = 0.1 and L = |m·512|; RandPE at sorted
+random positions from [0, 2·max_len) in every layer, at evaluation too, except with a KV cache).
 """
 
 from __future__ import annotations
@@ -70,50 +74,74 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
 
 
 class FireBias(nn.Module):
-    """FIRE: bias_h(i, j) = f_θ(ψ(i − j) / ψ(max(L, i))), ψ(x) = log(c·x + 1); f_θ a 1 -> hidden -> H MLP."""
+    """FIRE: bias_h(i, j) = f_θ(ψ(i − j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c·x| + 1), L = |m·L₀|;
+    f_θ a 1 -> hidden -> H MLP, c (starts at 0.1) and the multiplier m (starts at 1) learned, L₀ fixed."""
 
-    def __init__(self, n_heads: int, hidden: int, init_threshold: float):
+    def __init__(self, n_heads: int, hidden: int, init_c: float, init_threshold: float, eps: float = 1e-6):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))
-        self.log_c = nn.Parameter(torch.zeros(()))
-        self.threshold = nn.Parameter(torch.tensor(float(init_threshold)))
+        self.init_c, self.init_threshold, self.eps = init_c, init_threshold, eps
+        self.c = nn.Parameter(torch.tensor(float(init_c)))
+        self.threshold_scale = nn.Parameter(torch.tensor(1.0))
 
     def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """(B, T), (B, S) positions -> (B, H, T, S) bias (causal: future distances clamp to 0, then masked)."""
-        c = self.log_c.exp()
-        rel = (q_pos[:, :, None] - k_pos[:, None, :]).clamp(min=0)  # (B, T, S)
-        denom = torch.log(c * torch.maximum(self.threshold.abs(), q_pos.to(c.dtype)) + 1)[:, :, None]
-        normalised = torch.log(c * rel.to(c.dtype) + 1) / denom
-        return self.mlp(normalised[..., None]).permute(0, 3, 1, 2)
+        """(B, T), (B, S) positions -> (B, H, T, S) bias (the future half is causally masked later)."""
+        dtype = torch.promote_types(self.c.dtype, torch.float32)
+        c = self.c.to(dtype)
+        rel = (q_pos[:, :, None] - k_pos[:, None, :]).to(dtype)
+        threshold = (self.threshold_scale * self.init_threshold).abs().to(dtype)
+        normaliser = torch.maximum(q_pos.to(dtype), threshold)
+        scale = torch.log(torch.abs(c * normaliser) + 1)[:, :, None] + self.eps
+        normalised = torch.log(torch.abs(c * rel) + 1) / scale
+        return self.mlp(normalised.to(self.mlp[0].weight.dtype)[..., None]).permute(0, 3, 1, 2)
+
+
+def new_fire(config: TapetrainConfig) -> FireBias:
+    return FireBias(config.num_attention_heads, config.fire_hidden, config.fire_init_c, config.fire_init_threshold)
 
 
 class PositionModule(nn.Module):
-    """Holds the learned positional parameters (FIRE's bias MLP); the other encodings have none."""
+    """Holds FIRE's bias module when one is shared by all layers (fire_shared); the baseline has one per layer."""
 
     def __init__(self, config: TapetrainConfig):
         super().__init__()
-        if config.pe == "fire":
-            self.fire = FireBias(config.num_attention_heads, config.fire_hidden, config.max_position_embeddings)
+        if config.pe == "fire" and config.fire_shared:
+            self.fire = new_fire(config)
+
+
+def randpe_draw(n: int, config: TapetrainConfig, device) -> torch.Tensor:
+    """(n,) float64: n sorted distinct integers from [0, max(randpe range, n)), the range 2·max_len by default."""
+    limit = config.randpe_max_position or 2 * config.max_position_embeddings
+    return torch.randperm(max(limit, n), device=device)[:n].sort().values.to(torch.float64)
+
+
+def xpos_zeta(head_dim: int, device) -> torch.Tensor:
+    zeta = (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) + 0.4 * head_dim) / (1.4 * head_dim)
+    return torch.cat([zeta, zeta])
 
 
 class PositionContext:
     """Per-forward positional inputs shared by all layers (see tapetrain.model.positions).
 
-    cos, sin (B, 1, T, F); q_scale/k_scale (B, 1, T, D) for xpos; bias (B, H, T, S) for alibi/fire;
-    tape_init (B, H, T, D) = E^(0).
+    cos, sin (B, 1, T, F); xpos = (ζ (D,), γ, query positions (B, T), key positions (B, S)); bias (B, H, T, S) for
+    alibi/shared fire; tape_init (B, H, T, D) = E^(0); positions/key_positions (B, T)/(B, S) float64;
+    randpe_index (B, T) long when every layer draws its own randpe positions.
     """
 
-    def __init__(self):
-        self.cos = self.sin = self.q_scale = self.k_scale = self.bias = self.tape_init = None
+    def __init__(self, positions: torch.Tensor, key_positions: torch.Tensor):
+        self.positions, self.key_positions = positions, key_positions
+        self.cos = self.sin = self.xpos = self.bias = self.tape_init = self.randpe_index = None
 
 
 def position_context(
-    config: TapetrainConfig, positions: torch.Tensor, key_positions: torch.Tensor, dtype, pe_module: PositionModule
+    config: TapetrainConfig, positions: torch.Tensor, key_positions: torch.Tensor, dtype, pe_module: PositionModule,
+    randpe_index: torch.Tensor | None = None,
 ) -> PositionContext:
-    """positions (B, T), key_positions (B, S), both float64."""
-    ctx = PositionContext()
+    """positions (B, T), key_positions (B, S), both float64; randpe_index: draw per layer at these indices."""
+    ctx = PositionContext(positions, key_positions)
     pe, d = config.pe, config.head_dim
-    if pe in ("rope", "randpe", "xpos", "tape"):
+    ctx.randpe_index = randpe_index
+    if pe in ("rope", "randpe", "xpos", "tape") and randpe_index is None:
         cos, sin = rope_angles(positions, d, config.rope_theta, config.pi_factor)  # (B, T, F)
         if pe == "tape":
             e0 = torch.cat([cos, sin], dim=-1).to(dtype)  # (B, T, D)
@@ -121,16 +149,12 @@ def position_context(
         else:
             ctx.cos, ctx.sin = cos[:, None].to(dtype), sin[:, None].to(dtype)
     if pe == "xpos":
-        zeta = (torch.arange(0, d, 2, dtype=torch.float64, device=positions.device) + 0.4 * d) / (1.4 * d)
-        zeta = torch.cat([zeta, zeta])
-        power = (positions / config.xpos_scale_base)[..., None]  # (B, T, 1)
-        ctx.q_scale = (zeta**power)[:, None].to(dtype)
-        ctx.k_scale = (zeta ** (-power))[:, None].to(dtype)
+        ctx.xpos = (xpos_zeta(d, positions.device), float(config.xpos_scale_base), positions, key_positions)
     if pe == "alibi":
         slopes = alibi_slopes(config.num_attention_heads).to(positions.device)
         dist = (positions[:, :, None] - key_positions[:, None, :]).clamp(min=0)  # (B, T, S)
         ctx.bias = (-slopes[None, :, None, None] * dist[:, None]).to(dtype)
-    if pe == "fire":
+    if pe == "fire" and config.fire_shared:
         ctx.bias = pe_module.fire(positions, key_positions).to(dtype)
     return ctx
 
@@ -186,11 +210,12 @@ def as_tapetrain_cache(past_key_values) -> TapetrainCache:
         return TapetrainCache()
     if isinstance(past_key_values, TapetrainCache):
         return past_key_values
-    if isinstance(past_key_values, Cache) and past_key_values.get_seq_length() == 0:
-        return TapetrainCache()  # an empty generic cache (e.g. made by generate): ours replaces it
+    if type(past_key_values) is DynamicCache and past_key_values.get_seq_length() == 0:
+        return TapetrainCache()  # an empty default cache: ours replaces it (it is returned as past_key_values)
     raise ValueError(
         f"past_key_values is a {type(past_key_values).__name__}; this model needs its own TapetrainCache (it also "
-        "caches TAPE's positional state): pass None and reuse the past_key_values the model returns"
+        "caches TAPE's positional state and the token positions): pass None, or reuse the past_key_values the model "
+        "returns; static, quantized and offloaded caches are not supported"
     )
 
 
@@ -206,6 +231,30 @@ def expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
 def causal_mask(t: int, s: int, device) -> torch.Tensor:
     """(T, S) bool, True where allowed; bottom-right aligned (query t sits at key position S − T + t)."""
     return torch.arange(s, device=device)[None, :] <= torch.arange(s - t, s, device=device)[:, None]
+
+
+def xpos_attention(q, k, v, e, xpos, bias=None, key_mask=None):
+    """attention() with xPos's decay ζ^((p_i − p_j)/γ), query block by block (γ queries each), every block
+    centred at its largest query position c: query factors ζ^((p_i − c)/γ) ∈ [1, 3.5], key factors
+    ζ^(max(c − p_j, 0)/γ) ≤ 1, so nothing overflows at any length or dtype. q, k rotated, not yet decayed."""
+    zeta, gamma, q_pos, k_pos = xpos
+    t, s = q.shape[2], k.shape[2]
+    block = max(1, int(gamma))
+    outs, attended = [], []
+    for first in range(0, t, block):
+        stop = min(t, first + block)
+        keys = s - t + stop  # causal, bottom-right aligned: the block's last query sits at key keys − 1
+        centre = q_pos[:, first:stop].max(dim=1, keepdim=True).values
+        q_factor = (zeta ** ((q_pos[:, first:stop] - centre) / gamma)[..., None])[:, None].to(q.dtype)
+        k_factor = (zeta ** ((centre - k_pos[:, :keys]).clamp(min=0) / gamma)[..., None])[:, None].to(k.dtype)
+        out, out_e = attention(
+            q[:, :, first:stop] * q_factor, k[:, :, :keys] * k_factor, v[:, :, :keys],
+            None if e is None else e[:, :, :keys], None if bias is None else bias[..., first:stop, :keys],
+            None if key_mask is None else key_mask[:, :keys],
+        )
+        outs.append(out)
+        attended.append(out_e)
+    return torch.cat(outs, dim=2), None if e is None else torch.cat(attended, dim=2)
 
 
 def attention(q, k, v, e=None, bias=None, key_mask=None):
@@ -289,6 +338,33 @@ class TapeMlpUpdate(nn.Module):
         return state + torch.einsum("bitd,mi->bmtd", hidden, self.down_proj.weight)
 
 
+class TapeMlpUpdateNonEquivariant(nn.Module):
+    """The ablation without equivariance: the c and the s halves of E, each flattened over heads × frequencies
+    (M·F), get E ← E + W_down(SiLU(W_x m) ⊙ W_up ·), the same weights for both halves."""
+
+    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, channels: int):
+        super().__init__()
+        width = n_heads * (head_dim // 2)
+        self.x_proj = nn.Linear(hidden_size, channels, bias=False)
+        self.up_proj = nn.Linear(width, channels, bias=False)
+        self.down_proj = nn.Linear(channels, width, bias=False)
+
+    def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        b, m, t, d = state.shape
+        gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
+        halves = state.reshape(b, m, t, 2, d // 2).permute(0, 3, 2, 1, 4).reshape(b, 2, t, m * (d // 2))
+        update = self.down_proj(self.up_proj(halves) * gate[:, None])  # (B, 2, T, M·F)
+        return state + update.view(b, 2, t, m, d // 2).permute(0, 3, 2, 1, 4).reshape(b, m, t, d)
+
+
+def randpe_rotation(ctx: PositionContext, config: TapetrainConfig, dtype):
+    """One layer's own randpe draw at ctx.randpe_index: cos, sin (B, 1, T, F)."""
+    index = ctx.randpe_index
+    positions = randpe_draw(int(index.max()) + 1, config, index.device)[index]
+    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta, config.pi_factor)
+    return cos[:, None].to(dtype), sin[:, None].to(dtype)
+
+
 class TapetrainAttention(nn.Module):
     def __init__(self, config: TapetrainConfig, layer_idx: int, updates_state: bool):
         super().__init__()
@@ -301,7 +377,7 @@ class TapetrainAttention(nn.Module):
         use_mix = config.pe == "tape" and config.tape_attn_update and updates_state
         self.tape_mix = TapeHeadMix(self.n_heads, config.tape_head_mix) if use_mix else None
 
-    def forward(self, x, ctx: PositionContext, state, cache: TapetrainCache | None, key_mask):
+    def forward(self, x, ctx: PositionContext, state, cache: TapetrainCache | None, key_mask, bias=None):
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
@@ -311,15 +387,19 @@ class TapetrainAttention(nn.Module):
             k = rotate_by_state(expand_heads(k, self.n_heads), state)
             q = rotate_by_state(q, state)
             e_values = state if self.tape_mix is not None else None
+        elif ctx.randpe_index is not None:  # randpe, drawing per layer: this layer's own positions
+            cos, sin = randpe_rotation(ctx, self.config, q.dtype)
+            q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         elif ctx.cos is not None:
             q, k = rotate_pairs(q, ctx.cos, ctx.sin), rotate_pairs(k, ctx.cos, ctx.sin)
-            if ctx.q_scale is not None:
-                q, k = q * ctx.q_scale, k * ctx.k_scale
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
             if e_values is not None:
                 e_values = cache.update_state(e_values, self.layer_idx)
-        out, attended = attention(q, k, v, e_values, bias=ctx.bias, key_mask=key_mask)
+        if ctx.xpos is not None:
+            out, attended = xpos_attention(q, k, v, e_values, ctx.xpos, bias=bias, key_mask=key_mask)
+        else:
+            out, attended = attention(q, k, v, e_values, bias=bias, key_mask=key_mask)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
             state = self.tape_mix(state, attended)
@@ -329,8 +409,10 @@ class TapetrainAttention(nn.Module):
 class TapetrainDecoderLayer(nn.Module):
     def __init__(self, config: TapetrainConfig, layer_idx: int):
         super().__init__()
-        # The final E is dropped: the last layer has no state updates.
+        # The final E is dropped: the last layer has no state updates; tape_layers limits them to some layers.
         updates_state = config.pe == "tape" and layer_idx < config.num_hidden_layers - 1
+        if config.tape_layers is not None:
+            updates_state = updates_state and layer_idx in config.tape_layers
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = TapetrainAttention(config, layer_idx, updates_state)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -339,9 +421,13 @@ class TapetrainDecoderLayer(nn.Module):
         use_mlp_update = updates_state and config.tape_mlp_update
         heads = config.num_attention_heads
         self.tape_mlp = TapeMlpUpdate(config.hidden_size, heads, channels) if use_mlp_update else None
+        if use_mlp_update and not config.tape_equivariant:
+            self.tape_mlp = TapeMlpUpdateNonEquivariant(config.hidden_size, heads, config.head_dim, channels)
+        self.fire = new_fire(config) if config.pe == "fire" and not config.fire_shared else None  # per layer
 
     def forward(self, x, ctx, state, cache, key_mask):
-        attn_out, state = self.self_attn(self.input_layernorm(x), ctx, state, cache, key_mask)
+        bias = ctx.bias if self.fire is None else self.fire(ctx.positions, ctx.key_positions).to(x.dtype)
+        attn_out, state = self.self_attn(self.input_layernorm(x), ctx, state, cache, key_mask, bias)
         x = x + attn_out
         mlp_out = self.mlp(self.post_attention_layernorm(x))
         x = x + mlp_out
@@ -363,7 +449,7 @@ class TapetrainPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
-        return False  # the model makes its own TapetrainCache
+        return True  # generate makes a cache up front (assisted decoding needs one); ours takes its place
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -377,11 +463,11 @@ class TapetrainPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
         elif isinstance(module, TapeHeadMix):
             nn.init.zeros_(module.weight)
-        elif isinstance(module, TapeMlpUpdate):
+        elif isinstance(module, (TapeMlpUpdate, TapeMlpUpdateNonEquivariant)):
             nn.init.zeros_(module.down_proj.weight)  # zero W_down: the RoPE twin at init
         elif isinstance(module, FireBias):
-            nn.init.zeros_(module.log_c)
-            module.threshold.fill_(float(self.config.max_position_embeddings))
+            module.c.fill_(module.init_c)
+            module.threshold_scale.fill_(1.0)
 
 
 class TapetrainModel(TapetrainPreTrainedModel):
@@ -421,10 +507,15 @@ class TapetrainModel(TapetrainPreTrainedModel):
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
         cache = as_tapetrain_cache(past_key_values) if (use_cache or past_key_values is not None) else None
         past = cache.get_seq_length() if cache is not None else 0
-        if position_ids is None:
-            positions = torch.arange(past, past + t, device=x.device, dtype=torch.float64).expand(b, t)
-        else:
-            positions = position_ids.to(torch.float64).expand(b, t)
+        index = position_ids.expand(b, t) if position_ids is not None else None
+        if index is None:
+            index = torch.arange(past, past + t, device=x.device).expand(b, t)
+        positions = index.to(torch.float64)
+        # RandPE as the baseline: without a cache, positions are a sorted random draw, indexed by the position ids.
+        sample = self.config.pe == "randpe" and cache is None and (self.training or self.config.randpe_sample_at_eval)
+        per_layer = sample and self.config.randpe_per_layer
+        if sample and not per_layer:
+            positions = randpe_draw(int(index.max()) + 1, self.config, x.device)[index]
         key_positions = cache.extend_positions(positions) if cache is not None else positions
         key_mask = None
         if attention_mask is not None:
@@ -432,7 +523,7 @@ class TapetrainModel(TapetrainPreTrainedModel):
                 raise ValueError("attention_mask must be 2-D (batch, past + new tokens) with 1 = attend, 0 = padding")
             if not bool(attention_mask.all()):
                 key_mask = attention_mask[:, -(past + t):].bool()
-        ctx = position_context(self.config, positions, key_positions, x.dtype, self.pe)
+        ctx = position_context(self.config, positions, key_positions, x.dtype, self.pe, index if per_layer else None)
         state = ctx.tape_init
         for layer in self.layers:
             x, state = layer(x, ctx, state, cache, key_mask)
@@ -459,6 +550,15 @@ class TapetrainForCausalLM(TapetrainPreTrainedModel, GenerationMixin):
 
     def set_output_embeddings(self, value):
         self.lm_head = value
+
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """generate's default DynamicCache becomes a TapetrainCache before the first forward, so every decoding
+        mode (assisted and prompt-lookup decoding need the cache up front) works on the cache this model needs."""
+        result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
+        cache = model_kwargs.get("past_key_values")
+        if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+            model_kwargs["past_key_values"] = TapetrainCache()
+        return result
 
     def forward(
         self,
