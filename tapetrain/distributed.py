@@ -31,6 +31,18 @@ class DistEnv:
         return self.rank == 0
 
 
+def skip_cpu_shm_op_build() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory collective op.
+
+    Only DeepSpeed's inference all-reduce uses that op (training goes through torch.distributed/gloo), yet its
+    backend builds it on every CPU start: a C++ compile per fresh machine, and a build killed half-way leaves a
+    lock in the torch extensions folder on which every later start waits forever.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
 def init_distributed() -> DistEnv:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA).
 
@@ -50,6 +62,8 @@ def init_distributed() -> DistEnv:
     else:
         device = torch.device("cpu")
     if not torch.distributed.is_initialized():
+        if device.type == "cpu":
+            skip_cpu_shm_op_build()
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     return DistEnv(
         rank=torch.distributed.get_rank(),

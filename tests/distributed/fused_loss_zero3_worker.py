@@ -82,6 +82,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def main() -> None:
     out_path = next(arg for arg in sys.argv[1:] if not arg.startswith("--local_rank"))
+    from tapetrain.distributed import skip_cpu_shm_op_build
+
+    skip_cpu_shm_op_build()  # no C++ build on CPU (see tapetrain.distributed)
     deepspeed.init_distributed(dist_backend="gloo")
     report = {}
     for tie in (False, True):

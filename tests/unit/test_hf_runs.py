@@ -28,6 +28,9 @@ def init_deepspeed_single_process() -> None:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from tapetrain.distributed import skip_cpu_shm_op_build
+
+    skip_cpu_shm_op_build()  # no C++ build on CPU (see tapetrain.distributed)
     deepspeed.init_distributed(dist_backend="gloo")
 
 

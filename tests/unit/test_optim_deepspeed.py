@@ -39,6 +39,9 @@ SCRIPT = textwrap.dedent(
         "deepspeed": {"zero_stage": stage, "precision": "fp32", "offload_optimizer": offload,
                       "offload_params": offload and stage == 3},
     }).resolve(1, "cpu")
+    from tapetrain.distributed import skip_cpu_shm_op_build
+
+    skip_cpu_shm_op_build()  # no C++ build on CPU (see tapetrain.distributed)
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(0)
     model = Transformer(cfg.model.model_config())
