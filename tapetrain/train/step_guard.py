@@ -28,7 +28,13 @@ class StepGuard:
         self.skip_requested = False
         self.skipped = False  # set when this guard (not DeepSpeed) skipped the last step
         self._step = self.optimizer.step
-        self.optimizer.step = self._guarded_step  # instance attribute: type(optimizer) stays AdamW for ZeRO
+
+        def step(*args, **kwargs):
+            return self._guarded_step(*args, **kwargs)
+
+        # The LR scheduler marks the step it tracks; ours still calls that one, so keep the mark (no warning).
+        step._wrapped_by_lr_sched = getattr(self._step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
+        self.optimizer.step = step  # an instance attribute: type(optimizer) stays AdamW, as ZeRO requires
         if self.checks_gradients:
             self.optimizer.overflow = False
             self.optimizer._global_grad_norm = None
@@ -60,10 +66,12 @@ class StepGuard:
 
 
 def weights_are_finite(module: torch.nn.Module) -> bool:
-    """Whether this rank's parameters (its ZeRO-3 partitions where parameters are partitioned) are all finite."""
+    """Whether this rank's parameters (its ZeRO-3 partitions where parameters are partitioned) are all finite;
+    one host read."""
+    flags = []
     for param in module.parameters():
         data = getattr(param, "ds_tensor", None)
         data = param.data if data is None else data
-        if data.numel() and not bool(torch.isfinite(data).all()):
-            return False
-    return True
+        if data.numel():
+            flags.append(torch.isfinite(data).all())
+    return bool(torch.stack(flags).all()) if flags else True
