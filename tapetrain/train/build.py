@@ -135,7 +135,6 @@ def _write_run_files(cfg, ds_config: dict, env: DistEnv, start_step: int) -> Non
     run_dir = Path(cfg.run.out_dir)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
-        store.remove_incomplete(run_dir)
         history = run_dir / CONFIG_HISTORY
         history.mkdir(exist_ok=True)
         number = len(list(history.glob("start_*.yaml"))) + 1
@@ -238,8 +237,11 @@ def build_components(cfg, env: DistEnv) -> Components:
         what = f"converting {checkpoint.name} for {env.world_size} rank(s) (DeepSpeed's universal format)"
     agree(env, lambda: disk.require_free_space(run_dir, needed, what), on_main_only=True)
 
-    _write_run_files(cfg, ds_config, env, state["step"] if state else 0)
+    if env.is_main:
+        store.remove_incomplete(run_dir)  # interrupted saves and conversions of an earlier job (we hold the lock)
+    barrier()
     universal = _convert_to_universal(checkpoint, env, state["world_size"]) if use_universal else None
+    _write_run_files(cfg, ds_config, env, state["step"] if state else 0)  # the start can no longer be refused
     if universal is not None:
         # ZeRO partitions are tied to the data-parallel size; the universal format re-partitions weights and
         # optimizer moments for the new one.

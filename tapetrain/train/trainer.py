@@ -302,8 +302,8 @@ class Trainer:
     def _note_epoch(self) -> None:
         epoch = self.c.train_batches.epoch
         if epoch > self.epoch:
-            log.warning("data: step %d starts epoch %d: every training sample has now been drawn %d time(s); the "
-                        "data is reshuffled and read again", self.step, epoch, epoch)
+            log.warning("data: all %d training samples have been drawn by step %d; epoch %d begins (the same "
+                        "samples in a new order)", self.c.train_batches.num_samples, self.step, epoch)
             self.epoch = epoch
 
 
