@@ -60,7 +60,7 @@ def copy_of(base_run: Path, data: Path, tmp_path: Path, **sections) -> tuple[Pat
 def test_resume_refuses_a_changed_model(base_run, small_shard_dir, tmp_path):
     """pe=rope or n_layers=1 used to train on (into the original run), n_layers=3 died in the universal conversion
     leaving a dangling latest_universal; same rank count: raw load_state_dict errors."""
-    cfg, out = copy_of(base_run, small_shard_dir, tmp_path)
+    cfg, out = copy_of(base_run, small_shard_dir, tmp_path, train={"steps": 5})
     before = files(out)
     cases = [(single_cmd(cfg, "model.pe=rope"), "model.pe: checkpoint 'tape', config 'rope'"),
              (single_cmd(cfg, "model.n_layers=3"), "model.n_layers: checkpoint 2, config 3"),
