@@ -194,8 +194,10 @@ def test_shards_of_another_tokenizer_are_refused(tmp_path):
                               for p in sorted(stdlib.glob("*.py"))[:6]))
     mine = train_tiny_tokenizer(tmp_path / "mine.model")
     other = train_tokenizer([str(corpus)], 512, str(tmp_path / "other.model"))
-    prepare([str(corpus)], mine, str(tmp_path / "data_mine"), progress=False)
-    prepare([str(corpus)], other, str(tmp_path / "data_other"), progress=False)
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": (stdlib / "abc.py").read_text()[:3000]}) + "\n")
+    prepare([str(small)], mine, str(tmp_path / "data_mine"), progress=False)
+    prepare([str(small)], other, str(tmp_path / "data_other"), progress=False)
     run = make_run(tmp_path / "run", "rope", tokenizer=mine)
     export_hf(str(run), str(tmp_path / "hf"), verify=False)
     assert run_eval_ppl(str(run), str(tmp_path / "data_mine"), [16])["results"][0]["ppl"] > 1
