@@ -133,6 +133,9 @@ def test_resume_applies_changed_settings_and_says_so(base_run, small_shard_dir, 
     lr_of = {p.parent.name: yaml.safe_load(p.read_text())["optim"]["lr"] for p in out.glob("checkpoints/*/config.yaml")}
     assert lr_of == {"step_00000003": 0.003, "step_00000005": 0.001}  # what produced each checkpoint
     assert yaml.safe_load((out / "config.yaml").read_text())["optim"]["lr"] == 0.001
+    from tapetrain.checkpoint.run_loader import load_run_model
+
+    assert load_run_model(str(out), step=3)[1]["run_config"]["optim"]["lr"] == 0.003  # export/eval read it too
     state = json.loads((out / "checkpoints" / "step_00000005" / "trainer_state.json").read_text())
     assert state["data"]["consumed_samples"] == 3 * 8 + 2 * 16 and state["optim"]["lr"] == 0.001
 
