@@ -13,10 +13,14 @@
 #   NODE_RANK    set to launch this node only (adds --no_ssh --node_rank)
 #   LAUNCHER     DeepSpeed multi-node backend when using ssh: pdsh (default), openmpi, mvapich, slurm, ...
 #   DS_ARGS      extra launcher flags
+#
+# Stop: `kill PID` (this script's pid; SIGTERM) or Ctrl-C. With NODE_RANK (one script per node) signal every
+# node's script: its ranks save their part of the checkpoint and exit. Over ssh/pdsh, DeepSpeed's runner forwards
+# the signal to all nodes.
 set -euo pipefail
 
 if [[ $# -lt 2 || $1 == -h || $1 == --help ]]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 hostfile=$1
@@ -45,4 +49,7 @@ fi
 # shellcheck disable=SC2206  # DS_ARGS is deliberately word-split
 launcher+=(${DS_ARGS:-})
 
-exec "${launcher[@]}" --module tapetrain.train "$config" "$@"
+# Not exec: this script stays to turn SIGTERM/SIGINT into a clean stop (checkpoint, exit 0); see _forward_signals.sh.
+# shellcheck source=launch/_forward_signals.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_forward_signals.sh"
+run_forwarding_signals "${launcher[@]}" --module tapetrain.train "$config" "$@"

@@ -7,10 +7,12 @@
 #   NUM_GPUS     ranks to start (default: all visible GPUs; set it on CPU-only machines, e.g. NUM_GPUS=2)
 #   MASTER_PORT  rendezvous port (default 29500; change it to run two jobs on one node)
 #   DS_ARGS      extra launcher flags, e.g. DS_ARGS="--include localhost:0,1"
+#
+# Stop: `kill PID` (this script's pid; SIGTERM) or Ctrl-C. Every rank saves a checkpoint and exits; status 0.
 set -euo pipefail
 
 if [[ $# -lt 1 || $1 == -h || $1 == --help ]]; then
-    sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 config=$1
@@ -28,4 +30,7 @@ launcher+=(--master_port "${MASTER_PORT:-29500}")
 # shellcheck disable=SC2206  # DS_ARGS is deliberately word-split
 launcher+=(${DS_ARGS:-})
 
-exec "${launcher[@]}" --module tapetrain.train "$config" "$@"
+# Not exec: this script stays to turn SIGTERM/SIGINT into a clean stop (checkpoint, exit 0); see _forward_signals.sh.
+# shellcheck source=launch/_forward_signals.sh
+source "$(dirname "${BASH_SOURCE[0]}")/_forward_signals.sh"
+run_forwarding_signals "${launcher[@]}" --module tapetrain.train "$config" "$@"

@@ -23,11 +23,12 @@ def _add_train_parser(subparsers) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tapetrain", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    from tapetrain.data.cli import add_prepare_parser, add_tokenizer_parser
+    from tapetrain.data.cli import add_prepare_parser, add_tokenizer_parser, add_verify_parser
     from tapetrain.eval.cli import add_eval_passkey_parser, add_eval_ppl_parser, add_export_parser
 
     add_tokenizer_parser(subparsers)
     add_prepare_parser(subparsers)
+    add_verify_parser(subparsers)
     _add_train_parser(subparsers)
     add_export_parser(subparsers)
     add_eval_ppl_parser(subparsers)

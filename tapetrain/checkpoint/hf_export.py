@@ -262,6 +262,9 @@ def export_model(
     out = Path(out_dir)
     if out.exists() and not overwrite:
         raise ValueError(f"{out} already exists; choose another --out or pass --overwrite")
+    if out.exists() and not _replaceable_export(out):
+        raise ValueError(f"{out} is not a tapetrain export (no tapetrain_export.json) and is not empty; "
+                         "--overwrite only replaces an earlier export. Choose another --out, or empty it yourself")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted export
     tmp.mkdir(parents=True)
@@ -314,6 +317,11 @@ def export_model(
     else:
         os.replace(tmp, out)
     return result
+
+
+def _replaceable_export(path: Path) -> bool:
+    """--overwrite may replace an earlier tapetrain export or an empty directory, never anything else."""
+    return path.is_dir() and ((path / "tapetrain_export.json").is_file() or not any(path.iterdir()))
 
 
 def export_hf(

@@ -127,11 +127,13 @@ def merge_lora(state: dict, alpha: float | None = None, r: int | None = None) ->
     return out, len(pairs)
 
 
-def _read_run_config(run_dir: Path | None) -> dict | None:
-    if run_dir is None or not (run_dir / "config.yaml").is_file():
-        return None
-    with open(run_dir / "config.yaml") as f:
-        return yaml.safe_load(f) or {}
+def _read_run_config(run_dir: Path | None, ckpt: Path | None = None) -> dict | None:
+    """The config that produced `ckpt` (its own config.yaml, written with it), else the run's latest config.yaml."""
+    for path in ([ckpt / "config.yaml"] if ckpt is not None else []) + ([run_dir / "config.yaml"] if run_dir else []):
+        if path.is_file():
+            with open(path) as f:
+                return yaml.safe_load(f) or {}
+    return None
 
 
 def _model_config(ckpt: Path, run_config: dict | None) -> ModelConfig:
@@ -164,7 +166,7 @@ def load_run_model(
     None keeps it). info: run_dir, checkpoint, step, trainer_state, model_config, run_config, tokenizer, source,
     lora_merged."""
     ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step)
-    run_config = _read_run_config(run_dir)
+    run_config = _read_run_config(run_dir, ckpt)
     cfg = _model_config(ckpt, run_config)
     trained_config = cfg.to_dict()
     if attn_backend is not None:

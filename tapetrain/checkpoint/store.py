@@ -66,6 +66,8 @@ def remove_incomplete(run_dir: Path) -> None:
         if child.name.endswith(".tmp") or child.name.endswith(".old"):
             log.warning("removing incomplete checkpoint %s (a save was interrupted)", child)
             shutil.rmtree(child, ignore_errors=True)
+        elif child.name == "latest_universal":  # left by a universal conversion of an older tapetrain
+            child.unlink()
 
 
 def _write_json_atomic(path: Path, payload: dict) -> None:
@@ -93,9 +95,13 @@ def restore_rng(state: dict) -> None:
 
 
 def save_checkpoint(
-    engine, run_dir: Path, step: int, trainer_state: dict, model_config: dict, env: DistEnv, keep_last: int | None
+    engine, run_dir: Path, step: int, trainer_state: dict, model_config: dict, env: DistEnv, keep_last: int | None,
+    run_config_yaml: str | None = None,
 ) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory."""
+    """Collective: every rank calls it. Returns the final checkpoint directory.
+
+    `run_config_yaml` (the resolved run config that produced this checkpoint) is stored next to it as config.yaml.
+    """
     root = Path(run_dir) / CHECKPOINTS
     tag = step_tag(step)
     tmp_tag = tag + ".tmp"
@@ -115,6 +121,8 @@ def save_checkpoint(
     if env.is_main:
         tmp = root / tmp_tag
         _write_json_atomic(tmp / "model_config.json", model_config)
+        if run_config_yaml is not None:
+            (tmp / "config.yaml").write_text(run_config_yaml)
         _write_json_atomic(tmp / STATE_FILE, trainer_state)  # last: marks the directory complete
         if final.exists():  # re-saving a step (e.g. SIGTERM right after a periodic save)
             final.rename(root / (tag + ".old"))

@@ -27,6 +27,9 @@ RESERVED_NESTED_KEYS = {
     ("bf16", "enabled"): "deepspeed.precision",
     ("fp16", "enabled"): "deepspeed.precision",
     ("zero_optimization", "stage"): "deepspeed.zero_stage",
+    # The gradient-norm check is what skips updates with non-finite gradients (train.on_nan).
+    ("zero_optimization", "compute_grad_norm"): "train.on_nan (the gradient norm must be computed)",
+    ("bf16", "check_grad_overflow"): "train.on_nan (non-finite gradients are always checked)",
 }
 PRETRAINED_PE_MODES = ("tape", "tape+embed+norm")
 

@@ -97,6 +97,11 @@ class DataSection:
         None, "SentencePiece model used to write the shards; checked against the shard manifest if given."
     )
     num_workers: int = option(1, "Background reader workers per rank (0 = read in the training process).")
+    verify: bool = option(
+        False,
+        "Before training, check every shard's sha256 and token ids against its manifest (reads all data once, on "
+        "rank 0; the same as `tapetrain verify DIR`).",
+    )
 
     @staticmethod
     def normalize_raw(raw: dict) -> dict:

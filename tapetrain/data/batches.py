@@ -73,17 +73,26 @@ class BatchIterator:
 
     def micro_batch_indices(self) -> np.ndarray:
         """Dataset indices (micro_batch_size,) of the next micro batch, without advancing."""
+        return self.indices_ahead(0)
+
+    def indices_ahead(self, k: int) -> np.ndarray:
+        """Dataset indices (micro_batch_size,) of the micro batch `k` micro steps after the next one."""
         mb = self.micro_batch_size
-        first = self.consumed_samples + (self._micro_step * self.world_size + self.rank) * mb
+        steps, micro = divmod(self._micro_step + k, self.grad_accum_steps)
+        first = self.consumed_samples + steps * self.global_batch_size + (micro * self.world_size + self.rank) * mb
         return self._order(np.arange(first, first + mb, dtype=np.int64))
 
-    def next_micro_batch(self) -> torch.Tensor:
-        """(micro_batch_size, seq_len + 1) int64; after grad_accum_steps calls the step is complete."""
-        batch = np.stack([self.dataset[int(i)] for i in self.micro_batch_indices()])
+    def advance(self) -> None:
+        """Move past one micro step (what next_micro_batch does after reading)."""
         self._micro_step += 1
         if self._micro_step == self.grad_accum_steps:
             self._micro_step = 0
             self.consumed_samples += self.global_batch_size
+
+    def next_micro_batch(self) -> torch.Tensor:
+        """(micro_batch_size, seq_len + 1) int64; after grad_accum_steps calls the step is complete."""
+        batch = np.stack([self.dataset[int(i)] for i in self.micro_batch_indices()])
+        self.advance()
         return torch.from_numpy(batch)
 
     def __iter__(self) -> BatchIterator:
@@ -110,7 +119,7 @@ class BatchIterator:
         if state.get("seed", self.seed) != self.seed or state.get("shuffle", self.shuffle) != self.shuffle:
             raise DataError(
                 f"checkpoint data order used seed={state.get('seed')} shuffle={state.get('shuffle')} but "
-                f"this run has seed={self.seed} shuffle={self.shuffle}; set data.seed={state.get('seed')} "
+                f"this run has seed={self.seed} shuffle={self.shuffle}; set run.seed={state.get('seed')} "
                 "to resume exactly"
             )
         if state.get("num_samples", self.num_samples) != self.num_samples:

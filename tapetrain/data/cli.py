@@ -86,3 +86,29 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--overwrite", action="store_true", help="replace a finished or interrupted run")
     parser.set_defaults(func=_prepare)
     return parser
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from tapetrain.data.verify import verify_dataset
+
+    bad = 0
+    for path in args.data_dirs:
+        try:
+            problems = verify_dataset(path, progress=not args.quiet)
+        except DataError as err:
+            problems = [str(err)]
+        for problem in problems:
+            print(f"{path}: {problem}", file=sys.stderr)
+        print(f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        bad += bool(problems)
+    return 1 if bad else 0
+
+
+def add_verify_parser(subparsers) -> argparse.ArgumentParser:
+    """tapetrain verify DATA_DIR [DATA_DIR ...] [--quiet]"""
+    parser = subparsers.add_parser(
+        "verify", help="check every shard's sha256 and token ids against manifest.json (exit 1 on any mismatch)")
+    parser.add_argument("data_dirs", nargs="+", metavar="DATA_DIR", help="directories written by `tapetrain prepare`")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.set_defaults(func=_verify)
+    return parser

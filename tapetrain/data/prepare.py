@@ -5,20 +5,27 @@ Determinism: documents are read in input order (globs sorted) and numbered 0, 1,
 shards are byte-identical for any number of workers. Document i goes to "val" iff
 uniform01(i, seed) < val_fraction (a counter-based hash, tapetrain.data.hashing), else to "train".
 
+Writing: everything goes into a hidden sibling directory `.OUT.prepare.tmp` (same filesystem), which replaces
+OUT only once the manifest is written; so a bad input, a crash or Ctrl-C never touches an existing OUT, and
+`--overwrite` keeps the old dataset readable until the new one is complete (both exist on disk for a moment).
+Files in OUT that prepare did not write are carried over into the new OUT.
+
 Re-running into the same directory:
   * a finished run (manifest.json present) is never overwritten unless overwrite=True (--overwrite);
-  * a killed run (the `.prepare-incomplete` marker, or shards without a manifest) is not resumed: prepare
-    refuses and asks to delete the directory or pass overwrite=True, which removes only prepare's own files.
-A run failing with an exception (bad input, Ctrl-C) removes its own files again. Shards and the manifest are
-each written to a temp name and renamed, so no listed file is ever partial.
+  * a killed run of an older tapetrain (the `.prepare-incomplete` marker, or shards without a manifest in OUT)
+    is not resumed: prepare refuses and asks to delete the directory or pass overwrite=True.
+A run failing with an exception removes its temporary directory; one killed outright leaves it, and the next run
+removes it. If a run is killed between the two renames of the swap, the previous dataset is in `.OUT.prepare-old`.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -134,31 +141,70 @@ def _own_files(out_dir: str) -> list[str]:
     return sorted(p for pat in patterns for p in glob.glob(os.path.join(out_dir, pat)))
 
 
-def _claim_out_dir(out_dir: str, overwrite: bool) -> None:
-    """Refuse to clobber a finished or interrupted run unless overwrite; then mark the run as in progress."""
+def _check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse to replace a finished or interrupted run unless overwrite; touches nothing."""
     manifest = os.path.join(out_dir, fmt.MANIFEST)
     marker = os.path.join(out_dir, fmt.INCOMPLETE_MARKER)
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise DataError(f"--out {out_dir} is a file, not a directory; choose another --out")
-    os.makedirs(out_dir, exist_ok=True)
-    if not overwrite:
-        if os.path.exists(marker) or (_own_files(out_dir) and not os.path.exists(manifest)):
-            raise DataError(f"out dir {out_dir} contains an incomplete prepare run (resuming is not "
-                            "supported); delete it or pass --overwrite (overwrite=True) to start over")
-        if os.path.exists(manifest):
-            raise DataError(f"out dir {out_dir} already holds a prepared dataset ({fmt.MANIFEST}); choose "
-                            "another --out or pass --overwrite (overwrite=True) to replace it")
-    fmt.write_json_atomic(marker, {"pid": os.getpid(), "started": time.time()})
+    if overwrite or not os.path.isdir(out_dir):
+        return
+    if os.path.exists(marker) or (_own_files(out_dir) and not os.path.exists(manifest)):
+        raise DataError(f"out dir {out_dir} contains an incomplete prepare run (resuming is not "
+                        "supported); delete it or pass --overwrite (overwrite=True) to start over")
     if os.path.exists(manifest):
-        os.remove(manifest)
-    for path in _own_files(out_dir):
-        os.remove(path)
+        raise DataError(f"out dir {out_dir} already holds a prepared dataset ({fmt.MANIFEST}); choose "
+                        "another --out or pass --overwrite (overwrite=True) to replace it")
 
 
-def _remove_run(out_dir: str) -> None:
-    for path in [*_own_files(out_dir), os.path.join(out_dir, fmt.INCOMPLETE_MARKER)]:
-        if os.path.exists(path):
-            os.remove(path)
+def _sibling(out_dir: str, suffix: str) -> str:
+    parent, name = os.path.split(out_dir)
+    return os.path.join(parent, f".{name}.{suffix}")
+
+
+def _start_work_dir(out_dir: str) -> str:
+    """A fresh hidden sibling of out_dir to write into (a leftover of a killed run is removed first)."""
+    work = _sibling(out_dir, "prepare.tmp")
+    marker = os.path.join(work, fmt.INCOMPLETE_MARKER)
+    if os.path.isdir(work):
+        try:
+            with open(marker) as f:
+                pid = int(json.load(f)["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pid = None
+        if pid is not None and pid != os.getpid() and _alive(pid):
+            raise DataError(f"another prepare (pid {pid}) is writing {out_dir} (into {work}); wait for it or stop it")
+        shutil.rmtree(work)
+    os.makedirs(work)
+    fmt.write_json_atomic(marker, {"pid": os.getpid(), "started": time.time()})
+    return work
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _install(work: str, out_dir: str) -> None:
+    """Put the finished dataset in `work` at out_dir, replacing prepare's files there and keeping any others."""
+    os.remove(os.path.join(work, fmt.INCOMPLETE_MARKER))
+    if not os.path.exists(out_dir):
+        os.replace(work, out_dir)
+        return
+    old = _sibling(out_dir, "prepare-old")
+    shutil.rmtree(old, ignore_errors=True)
+    os.replace(out_dir, old)
+    os.replace(work, out_dir)
+    own = {os.path.basename(p) for p in _own_files(old)} | {fmt.MANIFEST, fmt.INCOMPLETE_MARKER}
+    for name in os.listdir(old):
+        if name not in own and not os.path.exists(os.path.join(out_dir, name)):
+            shutil.move(os.path.join(old, name), os.path.join(out_dir, name))
+    shutil.rmtree(old)
 
 
 def _write_shards(sources: list[str], tok: Tokenizer, dtype: str, out_dir: str, text_key: str,
@@ -215,14 +261,15 @@ def prepare(
     dtype = fmt.token_dtype(tok.vocab_size)
     sources = expand_inputs(inputs)  # fail on bad globs before touching out_dir
     out_dir = os.path.abspath(out_dir)
-    _claim_out_dir(out_dir, overwrite)
+    _check_out_dir(out_dir, overwrite)
+    work = _start_work_dir(out_dir)
 
     stats = SourceStats()
     try:
-        splits = _write_shards(sources, tok, dtype, out_dir, text_key, val_fraction, workers, shard_tokens,
+        splits = _write_shards(sources, tok, dtype, work, text_key, val_fraction, workers, shard_tokens,
                                skip_bad, seed, progress, stats)
-    except BaseException:  # bad input, Ctrl-C, worker crash: remove this run's files, then re-raise
-        _remove_run(out_dir)
+    except BaseException:  # bad input, Ctrl-C, worker crash: out_dir was never touched; drop the work dir
+        shutil.rmtree(work, ignore_errors=True)
         raise
     if val_fraction > 0 and splits["val"]["num_tokens"] == 0:
         log.warning("val_fraction=%s but no document was assigned to val (only %d documents)", val_fraction,
@@ -247,8 +294,8 @@ def prepare(
         "empty_documents": stats.empty,
         "splits": splits,
     }
-    fmt.write_json_atomic(os.path.join(out_dir, fmt.MANIFEST), manifest)
-    os.remove(os.path.join(out_dir, fmt.INCOMPLETE_MARKER))
+    fmt.write_json_atomic(os.path.join(work, fmt.MANIFEST), manifest)
+    _install(work, out_dir)
     log.info("prepare: %s; %d tokens", stats.summary(), manifest["num_tokens"])
     if stats.skipped:
         log.warning("prepare skipped %d bad records (first: %s)", stats.skipped, " | ".join(stats.examples))

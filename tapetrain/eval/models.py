@@ -32,6 +32,7 @@ class EvalModel:
     tokenizer: str | None
     device: torch.device
     dtype: str
+    tokenizer_sha256: str | None = None  # of the tokenizer the model was trained with, when known
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, keep_last: int | None = None) -> torch.Tensor:
@@ -73,6 +74,14 @@ def _tokenizer_in(directory: str) -> str | None:
     return path if os.path.isfile(path) else None
 
 
+def _file_sha256(path: str | None) -> str | None:
+    if not path or not os.path.isfile(path):
+        return None
+    from tapetrain.data.format import file_sha256
+
+    return file_sha256(path)
+
+
 def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, device: torch.device | None = None
                     ) -> EvalModel:
     """Load MODEL: a run/checkpoint directory (via run_loader, newest complete checkpoint or `step`) or a Hugging
@@ -89,8 +98,9 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
         model, info = load_run_model(path, step)
         model = model.to(device=device, dtype=DTYPES[dtype]).eval()
         name = f"{path}@step{info['step']}"
+        sha = info["trainer_state"].get("tokenizer_sha256") or _file_sha256(info["tokenizer"])
         return EvalModel(model, "run", name, model.cfg.vocab_size, model.cfg.max_seq_len, info["tokenizer"],
-                         device, dtype)
+                         device, dtype, sha)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"{path} is neither a run directory (no checkpoints/) nor a Hugging Face model "
@@ -104,5 +114,6 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
     remote = "auto_map" in config  # tapetrain's non-RoPE exports ship their modeling code
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=remote, dtype=DTYPES[dtype])
     model = model.to(device).eval()
+    tokenizer = _tokenizer_in(path)
     return EvalModel(model, "hf", path, int(config["vocab_size"]), int(config.get("max_position_embeddings", 0)),
-                     _tokenizer_in(path), device, dtype)
+                     tokenizer, device, dtype, _file_sha256(tokenizer))

@@ -140,6 +140,7 @@ def run_eval_ppl(
         seed_eval()
         tokens = open_eval_tokens(data, tokenizer=tokenizer or model.tokenizer, token_dtype=token_dtype, split=split)
         tokens = tokens.limited(max_tokens)
+        tokens.check_tokenizer(model.tokenizer_sha256, model.name)
         tokens.check_vocab(model.vocab_size)
         results = evaluate_ppl(model, tokens, lengths, protocol, stride, batch_size, ranks, reference_ranks,
                                reference_batch_size)

@@ -25,6 +25,7 @@ class EvalTokens:
     num_tokens: int
     description: str
     vocab_size: int | None = None
+    tokenizer_sha256: str | None = None  # of the tokenizer that made these ids, when known
 
     def limited(self, max_tokens: int | None) -> EvalTokens:
         """The first `max_tokens` tokens only (None = all)."""
@@ -32,7 +33,17 @@ class EvalTokens:
             return self
         if max_tokens < 1:
             raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
-        return EvalTokens(self.read, max_tokens, f"{self.description} (first {max_tokens} tokens)", self.vocab_size)
+        return EvalTokens(self.read, max_tokens, f"{self.description} (first {max_tokens} tokens)", self.vocab_size,
+                          self.tokenizer_sha256)
+
+    def check_tokenizer(self, model_sha256: str | None, model_name: str) -> None:
+        """Raise when the data's tokenizer is known, the model's too, and they differ (same vocab size or not)."""
+        if self.tokenizer_sha256 and model_sha256 and self.tokenizer_sha256 != model_sha256:
+            raise ValueError(f"{self.description} was tokenized with a tokenizer of sha256 "
+                             f"{self.tokenizer_sha256[:12]}… but {model_name} was trained with sha256 "
+                             f"{model_sha256[:12]}…: its token ids mean "
+                             "something else to this model. Evaluate data prepared with the model's tokenizer "
+                             "(`tapetrain prepare --tokenizer` with the model's tokenizer.model, or pass text)")
 
     def check_vocab(self, model_vocab: int, block: int = 1 << 22) -> None:
         """Raise naming the first id >= the model's vocabulary (scans the stream in blocks)."""
@@ -67,7 +78,8 @@ def _open_shards(path: str, token_dtype: str | None, split: str | None) -> EvalT
     if split == "train":
         log.warning("evaluating on the TRAINING split of %s: in-sample perplexity, not a held-out score", path)
     data = PackedDataset(path, 1, split=split)
-    return EvalTokens(data.tokens, data.num_tokens, f"{path} ({split} split)", data.vocab_size)
+    sha = (manifest.get("tokenizer") or {}).get("sha256")
+    return EvalTokens(data.tokens, data.num_tokens, f"{path} ({split} split)", data.vocab_size, sha)
 
 
 def _open_flat(path: str, token_dtype: str | None) -> EvalTokens:
@@ -94,7 +106,7 @@ def _open_text(path: str, tokenizer: str | None) -> EvalTokens:
             ids.append(tok.eos_id)  # documents end with EOS, as `tapetrain prepare` writes them
     array = np.asarray(ids, dtype=np.int64)
     log.info("tokenized %s with %s: %d tokens", path, tokenizer, len(array))
-    return EvalTokens(lambda a, b: array[a:b], len(array), f"{path} (tokenized)", tok.vocab_size)
+    return EvalTokens(lambda a, b: array[a:b], len(array), f"{path} (tokenized)", tok.vocab_size, tok.checksum)
 
 
 def open_eval_tokens(

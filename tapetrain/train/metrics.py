@@ -42,16 +42,19 @@ def memory_gb(device: torch.device) -> float:
 class MetricsLogger:
     """Rank 0 only: appends to metrics.jsonl, writes TensorBoard scalars, prints a progress line."""
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, start_step: int):
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, start_step: int, name: str | None = None):
         self.path = run_dir / "metrics.jsonl"
         self.total_steps = total_steps
         self.start_step = start_step
+        self.name = name
         self.started = time.perf_counter()
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"), purge_step=start_step + 1)
+            if name:
+                self.writer.add_text("run/name", name, start_step)
         self._truncate_after(start_step)
 
     def _truncate_after(self, step: int) -> None:
@@ -64,7 +67,15 @@ class MetricsLogger:
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)
 
-    def log(self, record: dict) -> None:
+    def log(self, record: dict, write: bool = True, show: bool = True) -> None:
+        """`write`: metrics.jsonl and TensorBoard (train.log_interval); `show`: the console line
+        (logging.console_interval)."""
+        if write:
+            self._write(record)
+        if show:
+            self._show(record)
+
+    def _write(self, record: dict) -> None:
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
         step = record["step"]
@@ -75,12 +86,16 @@ class MetricsLogger:
                         f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value, step
                     )
             self.writer.flush()
+
+    def _show(self, record: dict) -> None:
+        step = record["step"]
         done = step - self.start_step
         elapsed = time.perf_counter() - self.started
         eta = elapsed / max(done, 1) * (self.total_steps - step)
         if "loss" in record:
             log.info(
-                "step %d/%d | loss %s | lr %s | grad_norm %s | %s tok/s | mfu %s | mem %s GB | eta %s",
+                "%sstep %d/%d | loss %s | lr %s | grad_norm %s | %s tok/s | mfu %s | mem %s GB | eta %s",
+                f"{self.name} " if self.name else "",
                 step,
                 self.total_steps,
                 _fmt(record["loss"], ".4f"),

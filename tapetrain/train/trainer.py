@@ -12,15 +12,20 @@ from pathlib import Path
 
 import torch
 
-from tapetrain.checkpoint import store
+from tapetrain.checkpoint import disk, store
+from tapetrain.errors import DiskSpaceError, RunError
+from tapetrain.train.collective import agree
 from tapetrain.train.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
+from tapetrain.train.optim_settings import set_schedule_position
+from tapetrain.train.resume_checks import training_settings
+from tapetrain.train.step_guard import StepGuard, weights_are_finite
 
 log = logging.getLogger("tapetrain.train")
 
 
-class NonFiniteLossError(RuntimeError):
-    pass
+class NonFiniteLossError(RunError):
+    """A non-finite loss or gradient under train.on_nan=stop, too many skipped steps, or non-finite weights."""
 
 
 class Trainer:
@@ -40,10 +45,16 @@ class Trainer:
         self.tokens = components.start_tokens
         self.stop_signal: int | None = None
         self.nan_skips_in_a_row = 0
+        self.skipped_steps = components.skipped_steps
+        self.guard = StepGuard(self.engine)
         self.flops_per_token = components.model.flops_per_token(cfg.data.seq_len)
-        self.peak_flops = device_peak_flops(env.device, getattr(cfg.train, "peak_tflops", None))
+        self.peak_flops = device_peak_flops(env.device, cfg.logging.peak_tflops)
+        self.run_name = cfg.run.name or self.run_dir.resolve().name
+        self.epoch = components.train_batches.epoch
         self.metrics = (
-            MetricsLogger(self.run_dir, cfg.train.steps, cfg.logging.tensorboard, self.step) if env.is_main else None
+            MetricsLogger(self.run_dir, cfg.train.steps, cfg.logging.tensorboard, self.step, name=self.run_name)
+            if env.is_main
+            else None
         )
 
     # ---- signals -------------------------------------------------------------------------------------------------
@@ -71,58 +82,89 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.step)
         return int(torch.randint(0, limit + 1, (1,), generator=gen))
 
-    def _zero_loss(self) -> torch.Tensor:
-        """A loss whose gradient is exactly zero for every trainable parameter: backpropagated in place of a
-        non-finite micro-batch loss so DeepSpeed's accumulation and reduction stay in step across ranks."""
-        params = [p for p in self.engine.module.parameters() if p.requires_grad]
-        return sum(p.sum() * 0.0 for p in params)
-
     def train_step(self) -> dict:
+        """One optimizer step. The loss sum and the count of finite micro-batch losses stay on the device and are
+        reduced once, before the boundary engine.step(): a non-finite loss on any rank skips the whole update
+        (StepGuard), as does a non-finite gradient norm (DeepSpeed, or StepGuard on ZeRO-0)."""
         engine, batches = self.engine, self.c.train_batches
         offset = self._position_offset()
-        loss_sum, good_micro, data_wait = 0.0, 0, 0.0
-        skipped = False
-        for micro in range(batches.grad_accum_steps):
+        lr = engine.get_lr()[0]  # the LR of this step's update (the scheduler moves on inside engine.step())
+        device = self.env.device
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        finite_count = torch.zeros((), dtype=torch.float64, device=device)
+        data_wait = 0.0
+        accum = batches.grad_accum_steps
+        for micro in range(accum):
             wait_start = time.perf_counter()
-            batch = batches.next_micro_batch().to(self.env.device, non_blocking=True)  # (b, seq_len + 1)
+            batch = batches.next_micro_batch().to(device, non_blocking=True)  # (b, seq_len + 1)
             data_wait += time.perf_counter() - wait_start
             out = engine(batch[:, :-1], labels=batch[:, 1:], position_offset=offset)
-            loss = out.loss
-            finite = all_reduce_sum([float(torch.isfinite(loss.detach()))], self.env.device)[0] == self.env.world_size
-            if not finite:
-                skipped = True
-                message = (
-                    f"non-finite loss at step {self.step + 1} (micro-step {micro}): the model diverged or the batch "
-                    "is bad. Lower optim.lr, keep train.grad_clip on, or set train.on_nan=skip to skip such batches; "
-                    f"resume from the last good checkpoint in {self.run_dir / store.CHECKPOINTS}"
-                )
-                if self.cfg.train.on_nan == "stop":
-                    raise NonFiniteLossError(message)
-                log.warning("%s -- skipping this micro-batch", message.split(". Lower")[0])
-                loss = self._zero_loss()
-            else:
-                loss_sum += float(loss.detach())
-                good_micro += 1
-            engine.backward(loss)
-            engine.step()  # DeepSpeed applies the optimizer only at the accumulation boundary
+            loss = out.loss.detach()
+            finite = torch.isfinite(loss)
+            loss_sum += torch.where(finite, loss, torch.zeros_like(loss)).double()
+            finite_count += finite.double()
+            engine.backward(out.loss)  # a NaN loss gives NaN gradients: the step below is skipped either way
+            if micro < accum - 1:
+                engine.step()  # not a boundary: DeepSpeed only advances its micro-step counters
+        totals = torch.stack([loss_sum, finite_count])  # (2,)
+        if self.env.world_size > 1:
+            torch.distributed.all_reduce(totals)
+        total_loss, total_finite = totals.tolist()  # the one host read per optimizer step
+        bad_loss = total_finite < accum * self.env.world_size
+        self.guard.begin_step(skip=bad_loss)
+        overflows_before = engine.skipped_steps
+        engine.step()  # the boundary: DeepSpeed applies the update unless its gradient norm is non-finite
+        skipped = self.guard.skipped or engine.skipped_steps > overflows_before
+        grad_norm = engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else math.nan
         if skipped:
-            self.nan_skips_in_a_row += 1
-            if self.nan_skips_in_a_row > self.cfg.train.max_nan_skips:
-                raise NonFiniteLossError(
-                    f"{self.nan_skips_in_a_row} steps in a row had non-finite losses (train.max_nan_skips="
-                    f"{self.cfg.train.max_nan_skips}): the run has diverged; lower optim.lr and resume from the last "
-                    "good checkpoint"
-                )
+            self._handle_skipped_step(bad_loss, grad_norm)
         else:
             self.nan_skips_in_a_row = 0
-        total_loss, total_micro = all_reduce_sum([loss_sum, float(good_micro)], self.env.device)
-        grad_norm = engine.get_global_grad_norm()
         return {
-            "loss": total_loss / total_micro if total_micro else math.nan,
-            "grad_norm": float(grad_norm) if grad_norm is not None else math.nan,
+            "loss": total_loss / total_finite if total_finite else math.nan,
+            "lr": lr,
+            "grad_norm": grad_norm,
             "data_wait_s": data_wait,
-            "skipped_micro_batches": batches.grad_accum_steps - good_micro,
+            "skipped_steps": self.skipped_steps,
         }
+
+    def _handle_skipped_step(self, bad_loss: bool, grad_norm: float) -> None:
+        """Apply train.on_nan to a step whose update was not applied (weights and optimizer state unchanged)."""
+        step = self.step + 1
+        set_schedule_position(self.engine, self.c.scheduler, self.cfg.optim, self.cfg.train.steps, step)
+        d = self.cfg.deepspeed
+        if not bad_loss and d.precision == "fp16" and d.loss_scale == 0:
+            log.info("step %d: fp16 gradient overflow, DeepSpeed lowered the loss scale and skipped the update", step)
+            return
+        what = "non-finite loss" if bad_loss else f"non-finite gradient norm ({grad_norm}) with a finite loss"
+        if self.cfg.train.on_nan == "stop":
+            raise NonFiniteLossError(
+                f"{what} at step {step}: the model diverged or the batch is bad; the update was not applied. "
+                f"Lower optim.lr (a resume applies the new value from the resumed step), keep train.grad_clip on, or "
+                "set train.on_nan=skip to skip such steps; then resume from the last good checkpoint in "
+                f"{self.run_dir / store.CHECKPOINTS} (same command, train.resume=auto)"
+            )
+        self.nan_skips_in_a_row += 1
+        self.skipped_steps += 1
+        log.warning("step %d skipped (%s): weights and optimizer state unchanged (%d in a row, train.max_nan_skips=%d)",
+                    step, what, self.nan_skips_in_a_row, self.cfg.train.max_nan_skips)
+        if self.nan_skips_in_a_row > self.cfg.train.max_nan_skips:
+            raise NonFiniteLossError(
+                f"{self.nan_skips_in_a_row} steps in a row were skipped for non-finite losses or gradients (last: step "
+                f"{step}; train.max_nan_skips={self.cfg.train.max_nan_skips}): the run has diverged. Lower optim.lr "
+                f"and resume from the last good checkpoint in {self.run_dir / store.CHECKPOINTS}"
+            )
+
+    def _check_weights(self, when: str) -> None:
+        """Collective: stop (no checkpoint, no DONE.json) if any rank holds a non-finite weight."""
+        bad = 0.0 if weights_are_finite(self.engine.module) else 1.0
+        if all_reduce_sum([bad], self.env.device)[0] > 0:
+            raise NonFiniteLossError(
+                f"the weights contain NaN/inf {when} (step {self.step}); nothing was saved and DONE.json is not "
+                f"written. Resume from the last good checkpoint in {self.run_dir / store.CHECKPOINTS} with a lower "
+                "optim.lr"
+            )
 
     # ---- validation ------------------------------------------------------------------------------------------------
 
@@ -144,6 +186,13 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------------------------
 
     def save(self) -> None:
+        from tapetrain.config import dump_run_config
+
+        self._check_weights("before saving")
+        root = self.run_dir / store.CHECKPOINTS
+        needed = self.c.checkpoint_bytes
+        agree(self.env, lambda: disk.require_free_space(self.run_dir, needed, f"the checkpoint of step {self.step}"),
+              on_main_only=True)
         state = {
             "step": self.step,
             "tokens": self.tokens,
@@ -151,16 +200,32 @@ class Trainer:
             "world_size": self.env.world_size,
             "zero_stage": self.cfg.deepspeed.zero_stage,
             "seed": self.cfg.run.seed,
+            "skipped_steps": self.skipped_steps,
+            "tokenizer_sha256": self.c.tokenizer_sha256,
+            **training_settings(self.cfg),
         }
-        store.save_checkpoint(
-            self.engine,
-            self.run_dir,
-            self.step,
-            state,
-            self.c.model_config.to_dict(),
-            self.env,
-            self.cfg.train.keep_last,
-        )
+        try:
+            store.save_checkpoint(
+                self.engine,
+                self.run_dir,
+                self.step,
+                state,
+                self.c.model_config.to_dict(),
+                self.env,
+                self.cfg.train.keep_last,
+                run_config_yaml=dump_run_config(self.cfg),
+            )
+        except Exception as err:  # DeepSpeed/torch report a full disk as a generic write failure
+            free = disk.free_bytes(self.run_dir)
+            if free >= needed and "No space left" not in str(err):
+                raise
+            if self.env.is_main:
+                store.remove_incomplete(self.run_dir)
+            raise DiskSpaceError(
+                f"no space left on the device while saving the checkpoint of step {self.step} in {root} "
+                f"({disk.human(free)} free, about {disk.human(needed)} needed): {err}. The incomplete checkpoint is "
+                "never resumed from. Free disk space or move run.out_dir, then start the same command again"
+            ) from err
 
     # ---- the loop --------------------------------------------------------------------------------------------------
 
@@ -170,6 +235,9 @@ class Trainer:
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         window_start, window_tokens = time.perf_counter(), 0
         last_saved = self.step
+        log_every = cfg.train.log_interval
+        show_every = cfg.logging.console_interval or log_every
+        save_every = cfg.train.save_interval  # 0 = only the last step (and on a stop signal)
         if self.step >= cfg.train.steps:
             log.info("run already complete at step %d (train.steps=%d)", self.step, cfg.train.steps)
         while self.step < cfg.train.steps:
@@ -178,13 +246,16 @@ class Trainer:
             self.step += 1
             self.tokens += tokens_per_step
             window_tokens += tokens_per_step
-            if self.step % cfg.train.log_interval == 0 or self.step == cfg.train.steps:
+            self._note_epoch()
+            last = self.step == cfg.train.steps
+            write, show = self.step % log_every == 0 or last, self.step % show_every == 0 or last
+            if write or show:
                 elapsed = time.perf_counter() - window_start
                 tokens_per_s = window_tokens / elapsed
                 record = {
                     "step": self.step,
                     "loss": result["loss"],
-                    "lr": self.engine.get_lr()[0],
+                    "lr": result["lr"],
                     "grad_norm": result["grad_norm"],
                     "tokens": self.tokens,
                     "tokens_per_s": tokens_per_s,
@@ -192,17 +263,17 @@ class Trainer:
                     "mem_gb": memory_gb(self.env.device),
                     "step_time_s": time.perf_counter() - step_start,
                     "data_wait_s": result["data_wait_s"],
-                    "skipped_micro_batches": result["skipped_micro_batches"],
+                    "skipped_steps": result["skipped_steps"],
                 }
                 if self.metrics:
-                    self.metrics.log(_json_safe(record))
+                    self.metrics.log(_json_safe(record), write=write, show=show)
                 window_start, window_tokens = time.perf_counter(), 0
             if self.c.has_val and cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                 val = self.validate()
                 if self.metrics:
                     self.metrics.log({"step": self.step, **val})
             stop = self._stop_requested()
-            if stop or self.step % cfg.train.save_interval == 0 or self.step == cfg.train.steps:
+            if stop or (save_every and self.step % save_every == 0) or last:
                 self.save()
                 last_saved = self.step
             if stop:
@@ -213,15 +284,27 @@ class Trainer:
                 break
         if last_saved != self.step:
             self.save()
+        self._check_weights("at the end of the run")
         if self.metrics:
             self.metrics.close()
+        close = getattr(self.c.train_batches, "close", None)
+        if close is not None:
+            close()
         barrier()
         if self.env.is_main and self.step >= cfg.train.steps:
-            done = {"step": self.step, "tokens": self.tokens, "finished": True}
+            done = {"step": self.step, "tokens": self.tokens, "finished": True, "name": self.run_name,
+                    "skipped_steps": self.skipped_steps}
             tmp = self.run_dir / "DONE.json.tmp"
             tmp.write_text(json.dumps(done))
             os.replace(tmp, self.run_dir / "DONE.json")
         return 0
+
+    def _note_epoch(self) -> None:
+        epoch = self.c.train_batches.epoch
+        if epoch > self.epoch:
+            log.warning("data: all %d training samples have been drawn by step %d; epoch %d begins (the same "
+                        "samples in a new order)", self.c.train_batches.num_samples, self.step, epoch)
+            self.epoch = epoch
 
 
 def _json_safe(record: dict) -> dict:

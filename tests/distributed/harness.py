@@ -90,3 +90,21 @@ def losses(run_dir: Path) -> dict[int, float]:
         if "loss" in record:
             out[record["step"]] = record["loss"]
     return out
+
+
+def attempt(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a command expected to fail (or not); stdout and stderr together in .stdout."""
+    return subprocess.run(cmd, cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=timeout)
+
+
+def script_launcher_cmd(script: Path, ranks: int, *args: str) -> list[str]:
+    """`deepspeed --num_gpus N script.py ARGS` (each rank runs `python -u script.py --local_rank=R ARGS`)."""
+    return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port() + random.randint(0, 50)),
+            str(script), *args]
+
+
+def files(run_dir: Path) -> dict[str, bytes]:
+    """Every file under a run directory (but the lock file, which each start rewrites) -> its bytes."""
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".tapetrain.lock"}

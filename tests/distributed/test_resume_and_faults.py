@@ -95,8 +95,8 @@ def test_nan_skip_gives_up_after_max_skips(tmp_path, shard_dir):
     )
     proc = subprocess.run(single_cmd(cfg), cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode != 0
-    assert "skipping this micro-batch" in proc.stderr
-    assert "3 steps in a row had non-finite losses" in proc.stderr
+    assert "weights and optimizer state unchanged" in proc.stderr
+    assert "3 steps in a row were skipped" in proc.stderr
 
 
 @pytest.mark.parametrize("stage", [2, 3])
@@ -116,7 +116,7 @@ def test_resume_on_a_different_number_of_ranks(tmp_path, shard_dir, stage):
     assert "saved on 2" in proc.stderr
     state = json.loads((out / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
     assert state["world_size"] == 1 and state["data"]["consumed_samples"] == 6 * 8
-    assert not list((out / "checkpoints").glob("*.tmp"))
+    assert not list((out / "checkpoints").glob("*.tmp")) and not list((out / "checkpoints").glob("*universal*"))
     a, b = losses(straight), losses(out)
     assert sorted(b) == list(range(1, 7))
     assert a[4] == b[4]

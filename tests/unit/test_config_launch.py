@@ -56,7 +56,7 @@ def fake_bin(tmp_path):
         for k, v in os.environ.items()
         if k not in ("NUM_GPUS", "MASTER_ADDR", "MASTER_PORT", "NODE_RANK")
     }
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record))
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", RECORD=str(record), TAPETRAIN_ROOT=str(REPO))
     return env, record
 
 

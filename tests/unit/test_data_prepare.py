@@ -128,6 +128,26 @@ def test_rerun_refuses_then_overwrites(corpus, tmp_path):
         ["manifest.json"] + [s["file"] for s in manifest["splits"]["train"]["shards"]])
 
 
+def test_overwrite_keeps_the_old_dataset_until_the_new_one_is_complete(corpus, tmp_path):
+    """A bad input with --overwrite must leave the finished dataset untouched (it used to be deleted first)."""
+    out = tmp_path / "out"
+    prepare([corpus["jsonl"]], corpus["tok"], str(out), progress=False)
+    (out / "NOTES.txt").write_text("mine")  # not prepare's: survives a successful overwrite too
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"text": "kato ri"}\n{oops\n')
+    with pytest.raises(DataError, match="malformed JSON"):
+        prepare([str(bad)], corpus["tok"], str(out), overwrite=True, progress=False)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "out"]  # no temporary directory left behind
+    good = tmp_path / "small.jsonl"
+    good.write_text(json.dumps({"text": "mu sen lo"}) + "\n")
+    manifest = prepare([str(good)], corpus["tok"], str(out), overwrite=True, progress=False)
+    assert manifest["num_documents"] == 1 and (out / "NOTES.txt").read_text() == "mine"
+    assert json.loads((out / "manifest.json").read_text())["num_documents"] == 1
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "out", "small.jsonl"]
+
+
 def test_shards_without_manifest_count_as_incomplete(corpus, tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "train-00000.bin").write_bytes(b"\0\0")
@@ -140,7 +160,7 @@ def test_skip_bad_is_counted_in_manifest(corpus, tmp_path):
     bad.write_bytes(b'{"text": "kato ri"}\n{oops\n{"text": "mu sen"}\n')
     with pytest.raises(DataError, match=r"bad\.jsonl:2: malformed JSON"):
         prepare([str(bad)], corpus["tok"], str(tmp_path / "o1"), progress=False)
-    assert os.listdir(tmp_path / "o1") == []  # a failed run removes its files: no --overwrite needed
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # nothing left behind: no --overwrite needed
     manifest = prepare([str(bad)], corpus["tok"], str(tmp_path / "o2"), skip_bad=True, progress=False)
     assert manifest["skipped_records"] == 1 and manifest["num_documents"] == 2
 

@@ -145,7 +145,7 @@ def test_resume_mid_epoch_continues_exactly(data):
 def test_resume_refuses_another_seed(data):
     ds = PackedDataset(data["a"], SEQ)
     it = BatchIterator(ds, global_batch_size=4, micro_batch_size=4, seed=1)
-    with pytest.raises(DataError, match="set data.seed=2 to resume exactly"):
+    with pytest.raises(DataError, match="set run.seed=2 to resume exactly"):
         it.load_state_dict({"consumed_samples": 8, "seed": 2, "shuffle": True})
 
 

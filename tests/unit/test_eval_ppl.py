@@ -180,3 +180,31 @@ def test_two_ranks_match_one(run_and_export, tmp_path):
     for one, two in zip(single["results"], double["results"], strict=True):
         assert two["ppl"] == pytest.approx(one["ppl"], rel=1e-6)
         assert (two["tokens"], two["windows"]) == (one["tokens"], one["windows"])
+
+
+def test_shards_of_another_tokenizer_are_refused(tmp_path):
+    """Two tokenizers with the same vocab size: eval-ppl used to score the other one's ids without a word."""
+    import sysconfig
+
+    from tapetrain.data.prepare import prepare
+    from tapetrain.data.tokenizer import train_tokenizer
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": p.read_text(errors="replace")}) + "\n"
+                              for p in sorted(stdlib.glob("*.py"))[:6]))
+    mine = train_tiny_tokenizer(tmp_path / "mine.model")
+    other = train_tokenizer([str(corpus)], 512, str(tmp_path / "other.model"))
+    small = tmp_path / "small.jsonl"
+    small.write_text(json.dumps({"text": (stdlib / "abc.py").read_text()[:3000]}) + "\n")
+    prepare([str(small)], mine, str(tmp_path / "data_mine"), progress=False)
+    prepare([str(small)], other, str(tmp_path / "data_other"), progress=False)
+    run = make_run(tmp_path / "run", "rope", tokenizer=mine)
+    export_hf(str(run), str(tmp_path / "hf"), verify=False)
+    assert run_eval_ppl(str(run), str(tmp_path / "data_mine"), [16], split="train")["results"][0]["ppl"] > 1
+    for model in (run, tmp_path / "hf"):  # the run's data.tokenizer, the export's tokenizer.model
+        with pytest.raises(ValueError, match="tokenized with a tokenizer of sha256 .* was trained with sha256"):
+            run_eval_ppl(str(model), str(tmp_path / "data_other"), [16], split="train")
+    (tmp_path / "doc.txt").write_text("def f(x):\n    return x + 1\n" * 40)
+    with pytest.raises(ValueError, match="tokenized with a tokenizer of sha256"):
+        run_eval_ppl(str(run), str(tmp_path / "doc.txt"), [16], tokenizer=other)

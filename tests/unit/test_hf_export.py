@@ -192,6 +192,20 @@ def test_cli_export_and_existing_output(rope_export, tmp_path, capsys):
         args.func(args)
 
 
+def test_overwrite_refuses_a_directory_that_is_not_an_export(tmp_path):
+    """--overwrite used to delete whatever OUT was; now only an earlier export (or an empty directory)."""
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "notes.txt").write_text("not an export")
+    with pytest.raises(ValueError, match="not a tapetrain export"):
+        export_model(build("rope"), str(out), overwrite=True, verify=False)
+    assert (out / "notes.txt").read_text() == "not an export" and not (tmp_path / "precious.tmp").exists()
+    (out / "notes.txt").unlink()
+    export_model(build("rope"), str(out), overwrite=True, verify=False)  # empty: fine
+    export_model(build("rope"), str(out), overwrite=True, verify=False)  # an earlier export: replaced
+    assert (out / "tapetrain_export.json").is_file()
+
+
 def test_left_padded_batch_generation(tape_export):
     """attention_mask padding: a left-padded row generates what it generates alone (TAPE is shift-invariant)."""
     from transformers import AutoModelForCausalLM

@@ -1,0 +1,53 @@
+"""Which tokenizer wrote a prepared dataset, and checks that every source of a run used the same one.
+
+Token ids only mean something together with the tokenizer that produced them: two tokenizers with the same vocab
+size give the same shapes and train "fine" on garbage. `tapetrain prepare` records the tokenizer's path and sha256
+in manifest.json; these helpers compare those records across the sources of a mixture, the validation data and
+the tokenizer file a config or model names.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tapetrain.data.errors import DataError
+from tapetrain.data.format import file_sha256, load_manifest
+
+
+def manifest_tokenizer(path: str) -> dict | None:
+    """{'path': ..., 'sha256': ...} recorded by prepare in `path`/manifest.json, or None if it recorded none."""
+    tok = load_manifest(path).get("tokenizer")
+    return tok if isinstance(tok, dict) and tok.get("sha256") else None
+
+
+def common_tokenizer(paths: list[str], tokenizer_file: str | None = None, what: str = "data.tokenizer") -> str | None:
+    """The sha256 every dataset in `paths` was tokenized with (checked against `tokenizer_file` if given).
+
+    Raises DataError naming each source and its tokenizer when they disagree, or when `tokenizer_file` is missing
+    or differs. Returns None when no dataset recorded a tokenizer (and no file was given).
+    """
+    recorded = {p: manifest_tokenizer(p) for p in paths}
+    known = {p: t for p, t in recorded.items() if t}
+    shas = {t["sha256"] for t in known.values()}
+    if len(shas) > 1:
+        listing = "; ".join(f"{p}: sha256 {t['sha256'][:12]}… ({t.get('path', '?')})" for p, t in known.items())
+        raise DataError(f"the data sources were tokenized with different tokenizers ({listing}): their token ids "
+                        "mean different things. Prepare every source (and the validation data) with the same "
+                        "tokenizer")
+    sha = next(iter(shas)) if shas else None
+    if tokenizer_file:
+        if not os.path.isfile(tokenizer_file):
+            raise DataError(f"{what}={tokenizer_file} does not exist; point it at the sentencepiece .model the shards "
+                            f"were prepared with{_hint(known)}, or set it to null")
+        file_sha = file_sha256(tokenizer_file)
+        if sha is not None and file_sha != sha:
+            raise DataError(f"{what}={tokenizer_file} (sha256 {file_sha[:12]}…) is not the tokenizer the data was "
+                            f"prepared with (sha256 {sha[:12]}…{_hint(known)}); point {what} at that file, or "
+                            "re-run `tapetrain prepare` with this tokenizer")
+        sha = file_sha
+    return sha
+
+
+def _hint(known: dict) -> str:
+    paths = sorted({t.get("path") for t in known.values() if t.get("path")})
+    return f", recorded as {paths[0]}" if len(paths) == 1 else ""
