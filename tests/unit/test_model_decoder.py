@@ -4,7 +4,7 @@ import pytest
 import torch
 from model_helpers import build, randomize_tape
 
-from tapetrain.model import POSITIONAL_ENCODINGS, KVCache
+from tapetrain.model import POSITIONAL_ENCODINGS, KVCache, ModelConfig, Transformer
 from tapetrain.model.attention import attention, eager_attention, sdpa_attention
 
 TOKENS = torch.randint(0, 512, (2, 19), generator=torch.Generator().manual_seed(11))
@@ -129,3 +129,16 @@ def test_tied_embeddings_share_storage():
     model = build("rope", tie_embeddings=True)
     assert model.lm_head.weight is model.embed.weight
     assert model.num_params() == build("rope").num_params() - 512 * 64
+
+
+@pytest.mark.parametrize("pe", ["tape", "rope", "randpe"])
+def test_forward_reads_nothing_back_from_a_non_cpu_device(pe):
+    """A training forward must not synchronise with the device: on the meta device every host read (`int()`,
+    `.item()`, `.tolist()`) raises, so this runs the whole forward and loss there. The token-id check used to
+    read `input_ids.max()` on every micro-step."""
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, pe=pe, max_seq_len=16, attn_backend="sdpa")
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        out = model(ids, labels=ids)
+    assert out.loss.shape == () and out.loss.device.type == "meta"
