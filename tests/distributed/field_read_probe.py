@@ -6,9 +6,9 @@ Every config dataclass (the sections, DataSource, LoraSection, and ModelConfig, 
 recording __getattribute__. Then real work runs in this process: a full training run that exercises every
 optional path (validation data and evaluation, TensorBoard, console lines, data verification, read-ahead workers,
 random position offsets, a resume with a new schedule), a diverging run under on_nan=skip, a LoRA run, DeepSpeed
-JSON for fp16 and for ZeRO-3 with offloading, and every positional encoding and model switch built and trained for
-a step. A read counts when it is made by tapetrain code that uses the value. It does not count when it is made
-while the config is validated, serialised or copied (tapetrain/config/checks.py, typed.py, yaml_io.py,
+JSON for fp16 and for ZeRO-3 with offloading, and every positional encoding and model switch built, trained for a
+step and evaluated. A read counts when it is made by tapetrain code that uses the value. It does not count when
+it is made while the config is validated, serialised or copied (tapetrain/config/checks.py, typed.py, yaml_io.py,
 to_dict/from_dict/model_config/validate, the dataclass machinery, this probe). A read inside a derived-value
 helper of a config class (OptimSection.warmup_for, ModelConfig.head_dim, ...) counts for that helper's caller.
 OUT.json gets {"unread": [...], "read": [...]}: dotted keys as the README's reference names them.
@@ -130,6 +130,8 @@ def model_variants() -> None:
         model = Transformer(ModelConfig(**{**tiny, **extra}).validate()).train()
         ids = torch.randint(0, 64, (2, 16))
         model(ids, labels=ids).loss.backward()
+        with torch.no_grad():  # evaluation-only switches (randpe_sample_at_eval) are read in eval mode
+            model.eval()(ids)
 
 
 def main() -> None:
