@@ -76,16 +76,7 @@ def run_engine_benchmark(s: EngineSettings, progress: bool = True) -> dict:
         return build_model(s.preset, s.pe, s.seq_len, backend=s.backend, overrides=s.overrides, seed=s.seed)
 
     def stats(times: list[float], loss: float, model: Transformer, mem: PeakMemory) -> dict:
-        return StepResult(
-            step_times=times,
-            tokens_per_step=s.batch * s.seq_len,
-            flops_per_token=model.flops_per_token(s.seq_len),
-            peak_flops=peak,
-            params=model.num_params(),
-            final_loss=loss,
-            peak_mem_gb=mem.gb,
-            peak_mem_kind=mem.kind,
-        ).to_dict()
+        return StepResult.of_model(model, times, loss, s.batch, s.seq_len, peak, mem).to_dict()
 
     n_batches = min(s.steps + s.warmup, 4)
     warm_up_process(device, dtype)

@@ -105,6 +105,14 @@ class StepResult:
     peak_mem_kind: str
     extra: dict[str, Any] = field(default_factory=dict)
 
+    @classmethod
+    def of_model(cls, model: Any, times: list[float], loss: float, batch: int, seq_len: int, peak_flops: float,
+                 mem: Any) -> StepResult:
+        """The record of `model` (a Transformer) trained on `batch` × `seq_len` tokens per step; `mem` a PeakMemory."""
+        return cls(step_times=times, tokens_per_step=batch * seq_len, flops_per_token=model.flops_per_token(seq_len),
+                   peak_flops=peak_flops, params=model.num_params(), final_loss=loss, peak_mem_gb=mem.gb,
+                   peak_mem_kind=mem.kind)
+
     def to_dict(self) -> dict[str, Any]:
         step_s = statistics.median(self.step_times)
         tokens_per_s = self.tokens_per_step / step_s

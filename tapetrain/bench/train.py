@@ -80,16 +80,7 @@ def run_train_benchmark(s: TrainSettings, progress: bool = True) -> dict:
             opt = PlainOptimizer(model)
             batches = random_batches(model.cfg.vocab_size, s.batch, s.seq_len, device, min(s.steps + s.warmup, 4), 1)
             times, loss = timed_steps(plain_step(model, opt), batches, device, s.warmup, s.steps, pe, progress)
-        result[pe] = StepResult(
-            step_times=times,
-            tokens_per_step=s.batch * s.seq_len,
-            flops_per_token=model.flops_per_token(s.seq_len),
-            peak_flops=peak,
-            params=model.num_params(),
-            final_loss=loss,
-            peak_mem_gb=mem.gb,
-            peak_mem_kind=mem.kind,
-        ).to_dict()
+        result[pe] = StepResult.of_model(model, times, loss, s.batch, s.seq_len, peak, mem).to_dict()
         del model, opt, batches
         release_memory(device)
     has_both = "tape" in result and "rope" in result
