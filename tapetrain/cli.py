@@ -1,4 +1,4 @@
-"""The `tapetrain` command: one subcommand per job (DESIGN §3)."""
+"""The `tapetrain` command: one subcommand per job (README.md lists them with examples)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,10 @@ import sys
 
 
 def _add_train_parser(subparsers) -> None:
+    from tapetrain.train.arguments import configure_train_parser
+
     parser = subparsers.add_parser("train", help="train from a YAML run config (one process or any launcher rank)")
-    parser.add_argument("config", help="run config YAML")
-    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. train.steps=20")
-
-    def run(args: argparse.Namespace) -> int:
-        from tapetrain.train.run import train_from_args
-
-        return train_from_args(args.config, args.overrides)
-
-    parser.set_defaults(func=run)
+    configure_train_parser(parser)
 
 
 def build_parser() -> argparse.ArgumentParser:

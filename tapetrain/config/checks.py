@@ -157,7 +157,8 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
             f"is {t.eval_interval} but data.val is empty",
             "set data.val or train.eval_interval=0",
         )
-    c.positive("train.eval_steps", t.eval_steps, "set the micro batches per evaluation, e.g. 50")
+    c.positive("train.eval_steps", t.eval_steps,
+               "set the validation batches (of train.global_batch_size sequences) per evaluation, e.g. 10")
     c.non_negative("train.keep_last", t.keep_last, "set 0 to keep every checkpoint")
     if not t.resume.strip():
         c.fail("train.resume", "is empty", "use 'auto', 'none' or a checkpoint directory")
@@ -251,6 +252,7 @@ def _check_deepspeed(cfg: RunConfig, c: _Checker) -> None:
             "optimizer offload needs ZeRO stage >= 1 but deepspeed.zero_stage=0",
             "set deepspeed.zero_stage to 1, 2 or 3, or deepspeed.offload_optimizer=false",
         )
+    c.positive("deepspeed.timeout_minutes", d.timeout_minutes, "set the collective timeout in minutes, e.g. 30")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
         c.positive(f"deepspeed.{key}", getattr(d, key), "set a positive element count, e.g. 5e8")
     for key in (

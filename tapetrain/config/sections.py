@@ -141,7 +141,11 @@ class TrainSection:
     )
     log_interval: int = option(10, "Write metrics.jsonl and TensorBoard every N steps.")
     eval_interval: int = option(0, "Evaluate on data.val every N steps (0 = never).")
-    eval_steps: int = option(50, "Micro batches per rank in one evaluation.")
+    eval_steps: int = option(
+        50,
+        "Validation batches of train.global_batch_size sequences in one evaluation: the first eval_steps × "
+        "global_batch_size samples of data.val (at most all of them), the same samples on any number of ranks.",
+    )
     keep_last: int = option(3, "Keep the newest K checkpoints, deleting older ones (0 = keep all).")
     resume: str = option(
         "auto",
@@ -251,6 +255,11 @@ class DeepSpeedSection:
     )
     loss_scale: float = option(0.0, "fp16 only: static loss scale (0 = dynamic loss scaling).")
     initial_scale_power: int = option(16, "fp16 only: dynamic loss scaling starts at 2**this.")
+    timeout_minutes: float = option(
+        30.0,
+        "Timeout of every collective (process-group init). Raise it when ranks wait longer for one another, e.g. "
+        "while rank 0 saves or converts a large checkpoint (DeepSpeed's own default is 10).",
+    )
     extra: dict[str, Any] = option(
         {},
         "Raw DeepSpeed JSON deep-merged last (e.g. {comms_logger: {enabled: true}}). Keys tapetrain owns "
