@@ -172,6 +172,9 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
         c.fail("train.trainable", f"is {t.trainable!r} but train.lora is null", "add a train.lora: {r: 8, alpha: 16}")
     if t.lora is not None:
         c.positive("train.lora.r", t.lora.r, "set the adapter rank, e.g. 8")
+    if t.profile is not None:
+        c.positive("train.profile.start_step", t.profile.start_step, "set the first profiled step, e.g. 10")
+        c.positive("train.profile.steps", t.profile.steps, "set how many steps to profile, e.g. 3")
     c.non_negative("train.max_nan_skips", t.max_nan_skips, "set how many skipped steps in a row to tolerate")
     c.non_negative("train.grad_clip", t.grad_clip, "set 0 to disable clipping, e.g. 1.0")
     c.non_negative(

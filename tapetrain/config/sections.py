@@ -16,6 +16,7 @@ Schedule = Literal["cosine", "linear", "polynomial", "constant", "wsd"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Trainable = Literal["all", "tape", "tape+embed+norm", "lora", "lora+embed+norm"]
 OnNan = Literal["skip", "stop"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclass
@@ -126,6 +127,17 @@ class LoraSection:
 
 
 @dataclass
+class ProfileSection:
+    """torch.profiler over a few optimizer steps: a trace per rank in RUN_DIR/profile/ (TensorBoard, Perfetto)."""
+
+    start_step: int = option(10, "First profiled optimizer step (after warm-up: the first steps are not typical).")
+    steps: int = option(3, "Number of optimizer steps profiled.")
+    memory_snapshot: bool = option(
+        True, "On CUDA, also record the allocator's history and dump a memory snapshot (pytorch.org/memory_viz)."
+    )
+
+
+@dataclass
 class TrainSection:
     """Steps, batch sizes, intervals and what to do when things go wrong."""
 
@@ -166,6 +178,9 @@ class TrainSection:
     grad_clip: float = option(1.0, "Clip the global gradient norm to this (0 = no clipping).")
     random_position_offset: int = option(
         0, "Add a random offset in [0, N] to each sequence's positions while training (0 = off)."
+    )
+    profile: ProfileSection | None = option(
+        None, "Profile train.profile.steps optimizer steps from start_step with torch.profiler (null = off)."
     )
 
 
@@ -269,6 +284,19 @@ class DeepSpeedSection:
 
 
 @dataclass
+class WandbSection:
+    """Weights & Biases: the same scalars as metrics.jsonl and TensorBoard (needs `pip install "tapetrain[wandb]"`)."""
+
+    project: str = option("tapetrain", "W&B project.")
+    entity: str | None = option(None, "W&B team or user (null = your default entity).")
+    name: str | None = option(None, "W&B run name (null = run.name, else the last part of run.out_dir).")
+    tags: list[str] = option([], "W&B run tags.")
+    mode: WandbMode | None = option(
+        None, "online, offline (files only, `wandb sync` later) or disabled (null = $WANDB_MODE, else online)."
+    )
+
+
+@dataclass
 class LoggingSection:
     """Console, TensorBoard and metrics."""
 
@@ -279,4 +307,9 @@ class LoggingSection:
     peak_tflops: float | None = option(
         None,
         "Per-device peak TFLOP/s used for MFU (null = look up the GPU model; no MFU on unknown devices).",
+    )
+    wandb: WandbSection | None = option(
+        None,
+        "Weights & Biases logging, off by default (null); its files go to RUN_DIR/wandb/, and a resumed run "
+        "continues the same W&B run.",
     )

@@ -55,6 +55,7 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
     from tapetrain.train.run_lock import RunLock
     from tapetrain.train.startup import StartupClock
     from tapetrain.train.trainer import Trainer
+    from tapetrain.train.wandb_mirror import require_wandb
 
     clock = StartupClock()
     cfg, config_error = _load_config_on_every_rank(config_path, overrides)
@@ -67,6 +68,7 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
             raise config_error
 
     agree(env, raise_config_error)  # every rank stops; the lowest failing rank says why
+    agree(env, lambda: require_wandb(cfg.logging.wandb), on_main_only=True)
     cfg = cfg.resolve(world_size=env.world_size, device_type=env.device.type)
     timeout = collective_timeout_minutes() or cfg.deepspeed.timeout_minutes
     clock.done("config", f"{_config_summary(config_path, cfg, env.world_size)}; process group "

@@ -53,10 +53,23 @@ class Trainer:
         self.run_name = cfg.run.name or self.run_dir.resolve().name
         self.epoch = components.train_batches.epoch
         self.metrics = (
-            MetricsLogger(self.run_dir, cfg.train.steps, cfg.logging.tensorboard, self.step, name=self.run_name)
+            MetricsLogger(self.run_dir, cfg.train.steps, cfg.logging.tensorboard, self.step, name=self.run_name,
+                          mirror=self._wandb_mirror())
             if env.is_main
             else None
         )
+        self.profiler = None
+        if cfg.train.profile is not None:
+            from tapetrain.train.profiling import StepProfiler
+
+            self.profiler = StepProfiler(cfg.train.profile, self.run_dir, env.rank, env.device)
+
+    def _wandb_mirror(self):
+        if self.cfg.logging.wandb is None:
+            return None
+        from tapetrain.train.wandb_mirror import WandbMirror
+
+        return WandbMirror(self.cfg.logging.wandb, self.run_dir, self.run_name, self.cfg.to_dict())
 
     # ---- signals -------------------------------------------------------------------------------------------------
 
@@ -263,7 +276,11 @@ class Trainer:
                              + (", compilation)" if cfg.model.compile else ")"))
         while self.step < cfg.train.steps:
             step_start = time.perf_counter()
+            if self.profiler:
+                self.profiler.before_step(self.step + 1)
             result = self.train_step()
+            if self.profiler:
+                self.profiler.after_step(self.step + 1)
             if first_step is not None:
                 first_step.done("first step", f"step {self.step + 1} done, loss {result['loss']:.4f}")
                 first_step = None
@@ -306,6 +323,8 @@ class Trainer:
                     self.step,
                 )
                 break
+        if self.profiler:
+            self.profiler.finish()  # the run ended inside the profiled steps
         if last_saved != self.step:
             self.save()
         self._check_weights("at the end of the run")
