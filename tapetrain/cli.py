@@ -14,6 +14,10 @@ def _add_train_parser(subparsers) -> None:
     configure_train_parser(parser)
 
 
+def is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tapetrain", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
@@ -32,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(is_override(a) for a in extra):
+        args.overrides += extra  # `tapetrain train CONFIG --dry-run train.steps=5`: overrides after an option
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

@@ -14,7 +14,7 @@ from tapetrain.train.arguments import configure_train_parser
 
 def main(argv: list[str] | None = None) -> int:
     parser = configure_train_parser(argparse.ArgumentParser(prog="python -m tapetrain.train"))
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after --dry-run / --print-config
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
