@@ -7,7 +7,7 @@ Every backend computes, per query head h,
     o_e = A · e_h          (only when e is given; TAPE's positional stream)
 
 from a single softmax. TAPE treats its positional state E as extra value channels, so A·V and A·E share one
-pass (DESIGN §1 "Fused attention").
+pass (README.md "TAPE as implemented").
 
 Shapes (heads-first, like SDPA):
     q   (B, H,  T, D)
