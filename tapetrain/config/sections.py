@@ -85,12 +85,14 @@ class DataSection:
 
     train: list[DataSource] = option(
         [],
-        "Training shards: a directory, a list of directories, or a list of {path, weight} to mix sources.",
+        "Training shards: a directory, a list of directories, or a list of {path, weight} to mix sources. Paths "
+        "in a config are relative to the working directory (only base: is relative to the file).",
         shown_type="path or list",
     )
     val: list[DataSource] = option(
         [],
-        "Validation shards, same forms as data.train (empty = no evaluation during training).",
+        "Validation shards, same forms as data.train (empty = no evaluation during training). The val split of "
+        "each directory is read, so the directory of data.train can be given again (prepare --val-fraction).",
         shown_type="path, list or null",
     )
     seq_len: int | None = option(None, "Tokens per training sequence (null = model.max_seq_len).")
