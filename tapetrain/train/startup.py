@@ -24,10 +24,13 @@ def _since_process_start() -> float | None:
 
 
 class StartupClock:
-    """Logs `start-up [i/5] PHASE: detail (N.N s)`; `begin(phase)` first announces a phase that may take long."""
+    """Logs `start-up [i/5] PHASE: detail (N.N s)`; `begin(phase)` first announces a phase that may take long.
+
+    The first phase counts from the process start: importing torch and DeepSpeed and joining the process group
+    are part of it."""
 
     def __init__(self) -> None:
-        self.last = time.perf_counter()
+        self.last = time.perf_counter() - (_since_process_start() or 0.0)
 
     def _tag(self, phase: str) -> str:
         return f"start-up [{PHASES.index(phase) + 1}/{len(PHASES)}] {phase}"
@@ -39,6 +42,8 @@ class StartupClock:
         now = time.perf_counter()
         seconds, self.last = now - self.last, now
         total = ""
+        if phase == PHASES[0]:
+            total = " since the process started: imports, config, process group"
         if phase == PHASES[-1]:
             since_start = _since_process_start()
             if since_start is not None:
