@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from tapetrain.errors import ConfigError
 from tapetrain.train.distributed import DistEnv
 
 log = logging.getLogger("tapetrain.train")
@@ -59,7 +60,10 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
 
     world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     cfg = load_run_config(config_path, list(overrides)).resolve(world_size=world)
-    model_config = resolve_model_config(cfg)
+    try:
+        model_config = resolve_model_config(cfg)
+    except FileNotFoundError as err:
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {err}") from err
     total, trainable = _parameter_counts(cfg, model_config)
     accum = cfg.grad_accum_steps(world)
     print(dump_run_config(cfg), end="")
