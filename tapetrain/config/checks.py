@@ -175,6 +175,9 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
     if t.profile is not None:
         c.positive("train.profile.start_step", t.profile.start_step, "set the first profiled step, e.g. 10")
         c.positive("train.profile.steps", t.profile.steps, "set how many steps to profile, e.g. 3")
+        if t.profile.start_step > t.steps:
+            c.fail("train.profile.start_step", f"is {t.profile.start_step} but the run ends at train.steps={t.steps}",
+                   f"profile a step the run reaches, e.g. train.profile.start_step={min(10, t.steps)}")
     c.non_negative("train.max_nan_skips", t.max_nan_skips, "set how many skipped steps in a row to tolerate")
     c.non_negative("train.grad_clip", t.grad_clip, "set 0 to disable clipping, e.g. 1.0")
     c.non_negative(
