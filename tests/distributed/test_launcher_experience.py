@@ -26,6 +26,7 @@ def test_user_errors_print_one_message_and_fail_every_rank(tmp_path, small_shard
     assert launched.stdout.count(MESSAGE) == 1, launched.stdout[-3000:]
     assert "did you mean 'train.steps'" in launched.stdout
     assert "Traceback" not in launched.stdout
+    assert "terminate called" not in launched.stdout  # gloo's threads torn down before exit (1 in 5 runs aborted)
     assert not (tmp_path / "run").exists()
 
     single = attempt(single_cmd(bad))
