@@ -1,4 +1,4 @@
-"""The `tapetrain` command: one subcommand per job (DESIGN §3)."""
+"""The `tapetrain` command: one subcommand per job (README.md lists them with examples)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,14 @@ import sys
 
 
 def _add_train_parser(subparsers) -> None:
+    from tapetrain.train.arguments import configure_train_parser
+
     parser = subparsers.add_parser("train", help="train from a YAML run config (one process or any launcher rank)")
-    parser.add_argument("config", help="run config YAML")
-    parser.add_argument("overrides", nargs="*", help="dotted KEY=VALUE overrides, e.g. train.steps=20")
+    configure_train_parser(parser)
 
-    def run(args: argparse.Namespace) -> int:
-        from tapetrain.train.run import train_from_args
 
-        return train_from_args(args.config, args.overrides)
-
-    parser.set_defaults(func=run)
+def is_override(arg: str) -> bool:
+    return "=" in arg and not arg.startswith("-")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,7 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list) and all(is_override(a) for a in extra):
+        args.overrides += extra  # `tapetrain train CONFIG --dry-run train.steps=5`: overrides after an option
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, RuntimeError) as err:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -43,13 +45,29 @@ def skip_cpu_shm_op_build() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def init_distributed() -> DistEnv:
+DEFAULT_TIMEOUT_MINUTES = 30.0
+
+
+def under_launcher() -> bool:
+    """True in a rank started by a launcher with more than one process (deepspeed, torchrun, SLURM wrappers)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def quiet_deprecations() -> None:
+    """torch deprecates collectives DeepSpeed still calls; every rank would print the same FutureWarning."""
+    warnings.filterwarnings("ignore", message=r".*torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+
+def init_distributed(timeout_minutes: float | None = None) -> DistEnv:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA).
 
     Without a launcher DeepSpeed falls into MPI discovery (and fails without mpi4py), so a lone process first
-    declares itself rank 0 of 1 on a free local port.
+    declares itself rank 0 of 1 on a free local port. `timeout_minutes` bounds every collective (DeepSpeed's own
+    default is 10 minutes, shorter than a large checkpoint save or conversion that other ranks wait for).
     """
     import deepspeed
+
+    quiet_deprecations()
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
@@ -64,13 +82,27 @@ def init_distributed() -> DistEnv:
     if not torch.distributed.is_initialized():
         if device.type == "cpu":
             skip_cpu_shm_op_build()
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        minutes = DEFAULT_TIMEOUT_MINUTES if timeout_minutes is None else timeout_minutes
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
+                                   timeout=timedelta(minutes=minutes))
     return DistEnv(
         rank=torch.distributed.get_rank(),
         local_rank=local_rank,
         world_size=torch.distributed.get_world_size(),
         device=device,
     )
+
+
+def collective_timeout_minutes() -> float | None:
+    """The timeout the default process group's backend really holds (None where torch does not expose it)."""
+    try:
+        from torch.distributed import distributed_c10d
+
+        device = torch.device("cuda" if torch.distributed.get_backend() == "nccl" else "cpu")
+        backend = distributed_c10d._get_default_group()._get_backend(device)
+        return backend.options._timeout.total_seconds() / 60
+    except Exception:  # noqa: BLE001 - private torch API; the log then shows the configured value
+        return None
 
 
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Performance benchmarks (DESIGN §5); logic lives in tapetrain.bench (one module per mode).
+"""Performance benchmarks (README.md "Performance" lists the targets and results); logic lives in tapetrain.bench
+(one module per mode).
 
   python tools/benchmark.py attention [--seq-lens 1024,2048] [--backends sdpa,triton] [--out R.json]
   python tools/benchmark.py train --preset paper-155m --seq-len 1024 [--batch 8] [--pe-list tape,rope] --out R.json

@@ -1,4 +1,4 @@
-"""Performance benchmarks behind `tools/benchmark.py` (DESIGN §5). Measurements only, never pass/fail.
+"""Performance benchmarks behind `tools/benchmark.py` (README.md "Performance"). Measurements only, never pass/fail.
 
   attention  fused-attention micro-benchmark: RoPE attention (q, k, v) vs TAPE attention (values V plus the
              positional stream E) per backend and sequence length; forward and forward+backward.

@@ -25,7 +25,7 @@ from tapetrain.bench.steps import (
 from tapetrain.model import Transformer
 from tapetrain.train.metrics import device_peak_flops
 
-ENGINE_TARGET = 0.9  # DeepSpeed tokens/s over plain PyTorch (DESIGN §5 asks for small framework overhead)
+ENGINE_TARGET = 0.9  # DeepSpeed tokens/s over plain PyTorch (the framework overhead should stay small)
 
 
 @dataclass
@@ -64,7 +64,7 @@ def run_engine_benchmark(s: EngineSettings, progress: bool = True) -> dict:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-engine INFO banner drowns the table
     owns_group = not torch.distributed.is_initialized()
-    env = init_distributed()  # a lone process declares itself rank 0 of 1 on a free port (DESIGN §4)
+    env = init_distributed()  # a lone process declares itself rank 0 of 1 on a free port
     if env.world_size != 1:
         raise RuntimeError(f"engine mode measures ONE rank; got WORLD_SIZE={env.world_size}; run it without a launcher")
     device = env.device

@@ -19,6 +19,7 @@ import torch
 
 from tapetrain.checkpoint.hf_keys import to_hf_state_dict
 from tapetrain.checkpoint.hf_modeling import AUTO_MAP, HERE, MODELING_FILES
+from tapetrain.file_modes import use_umask_mode
 from tapetrain.model import ModelConfig, Transformer
 
 log = logging.getLogger("tapetrain.checkpoint")
@@ -128,11 +129,13 @@ def write_safetensors(state: dict[str, torch.Tensor], out_dir: Path, max_shard_s
         size += nbytes
     if len(shards) == 1:
         save_file(shards[0], str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+        use_umask_mode(out_dir / "model.safetensors")  # safetensors writes 0600
         return ["model.safetensors"]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map = {}
     for name, shard in zip(names, shards, strict=True):
         save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        use_umask_mode(out_dir / name)
         weight_map.update(dict.fromkeys(shard, name))
     total = sum(t.numel() * t.element_size() for t in state.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}

@@ -95,9 +95,11 @@ def find_weight_files(hf_dir: str) -> list[str]:
     raise FileNotFoundError(f"no weights in {hf_dir}: expected one of {', '.join(WEIGHT_FILES)}")
 
 
-def iter_weights(files: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) over every weight file, one file in memory at a time."""
-    for path in files:
+def iter_weights(files: list[str], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) over every weight file, one file in memory at a time; `progress`: a bar over the files."""
+    from tqdm import tqdm
+
+    for path in tqdm(files, desc="loading weight shards", unit="shard", disable=not progress, dynamic_ncols=True):
         if path.endswith(".safetensors"):
             from safetensors import safe_open
 
@@ -120,7 +122,8 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def copy_hf_weights(
-    model: Transformer, hf_dir: str, copy: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None
+    model: Transformer, hf_dir: str, copy: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
+    progress: bool = False,
 ) -> int:
     """Stream a Llama checkpoint's tensors (one at a time) into `model` by the key table; returns how many.
 
@@ -135,8 +138,9 @@ def copy_hf_weights(
     loaded: set[str] = set()
     unexpected: list[str] = []
     shape_errors: list[str] = []
+    files = find_weight_files(hf_dir)
     with torch.no_grad():
-        for hf_name, tensor in iter_weights(find_weight_files(hf_dir)):
+        for hf_name, tensor in iter_weights(files, progress=progress):
             if IGNORED_HF_KEYS.match(hf_name):
                 continue
             name = from_hf_key(hf_name)

@@ -15,11 +15,13 @@ import os
 import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from tapetrain.checkpoint import disk
 from tapetrain.distributed import DistEnv, barrier
 
 log = logging.getLogger("tapetrain.checkpoint")
@@ -105,6 +107,9 @@ def save_checkpoint(
     root = Path(run_dir) / CHECKPOINTS
     tag = step_tag(step)
     tmp_tag = tag + ".tmp"
+    started = time.perf_counter()
+    if env.is_main:
+        log.info("saving checkpoint of step %d to %s ...", step, root / tag)
     from deepspeed.checkpoint.constants import (
         UNIVERSAL_CHECKPOINT_INFO,
         UNIVERSAL_CHECKPOINT_VERSION_KEY,
@@ -131,7 +136,8 @@ def save_checkpoint(
         if keep_last:
             for _, old in complete_checkpoints(run_dir)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)
-        log.info("saved checkpoint %s", final)
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        log.info("saved checkpoint %s (%s in %.1f s)", final, disk.human(size), time.perf_counter() - started)
     barrier()
     return final
 

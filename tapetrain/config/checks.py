@@ -157,7 +157,8 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
             f"is {t.eval_interval} but data.val is empty",
             "set data.val or train.eval_interval=0",
         )
-    c.positive("train.eval_steps", t.eval_steps, "set the micro batches per evaluation, e.g. 50")
+    c.positive("train.eval_steps", t.eval_steps,
+               "set the validation batches (of train.global_batch_size sequences) per evaluation, e.g. 10")
     c.non_negative("train.keep_last", t.keep_last, "set 0 to keep every checkpoint")
     if not t.resume.strip():
         c.fail("train.resume", "is empty", "use 'auto', 'none' or a checkpoint directory")
@@ -171,6 +172,12 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
         c.fail("train.trainable", f"is {t.trainable!r} but train.lora is null", "add a train.lora: {r: 8, alpha: 16}")
     if t.lora is not None:
         c.positive("train.lora.r", t.lora.r, "set the adapter rank, e.g. 8")
+    if t.profile is not None:
+        c.positive("train.profile.start_step", t.profile.start_step, "set the first profiled step, e.g. 10")
+        c.positive("train.profile.steps", t.profile.steps, "set how many steps to profile, e.g. 3")
+        if t.profile.start_step > t.steps:
+            c.fail("train.profile.start_step", f"is {t.profile.start_step} but the run ends at train.steps={t.steps}",
+                   f"profile a step the run reaches, e.g. train.profile.start_step={min(10, t.steps)}")
     c.non_negative("train.max_nan_skips", t.max_nan_skips, "set how many skipped steps in a row to tolerate")
     c.non_negative("train.grad_clip", t.grad_clip, "set 0 to disable clipping, e.g. 1.0")
     c.non_negative(
@@ -251,6 +258,7 @@ def _check_deepspeed(cfg: RunConfig, c: _Checker) -> None:
             "optimizer offload needs ZeRO stage >= 1 but deepspeed.zero_stage=0",
             "set deepspeed.zero_stage to 1, 2 or 3, or deepspeed.offload_optimizer=false",
         )
+    c.positive("deepspeed.timeout_minutes", d.timeout_minutes, "set the collective timeout in minutes, e.g. 30")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
         c.positive(f"deepspeed.{key}", getattr(d, key), "set a positive element count, e.g. 5e8")
     for key in (

@@ -13,7 +13,7 @@ import yaml
 
 from tapetrain.config.fields import field_help
 from tapetrain.config.run_config import RunConfig
-from tapetrain.config.sections import DataSource, ModelSection
+from tapetrain.config.sections import DataSource, LoraSection, ModelSection, ProfileSection, WandbSection
 from tapetrain.config.typed import type_name
 
 INTRO = """\
@@ -70,6 +70,9 @@ def render_reference() -> str:
     for f in dataclasses.fields(RunConfig):
         parts.append(render_section(f.name, hints[f.name]))
     parts.append(render_section("data.train[i]", DataSource))
+    parts.append(render_section("train.lora", LoraSection))
+    parts.append(render_section("train.profile", ProfileSection))
+    parts.append(render_section("logging.wandb", WandbSection))
     return "\n".join(parts)
 
 

@@ -29,6 +29,7 @@ from tapetrain.config.sections import (
 from tapetrain.config.typed import Locate, build, convert, suggest, to_plain, where
 from tapetrain.config.yaml_io import apply_overrides, locator, read_with_bases
 from tapetrain.errors import ConfigError
+from tapetrain.file_modes import use_umask_mode
 
 
 @dataclass
@@ -167,6 +168,7 @@ def save_resolved(cfg: RunConfig, path: str) -> None:
             fh.write(dump_run_config(cfg))
             fh.flush()
             os.fsync(fh.fileno())
+        use_umask_mode(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -16,6 +16,7 @@ Schedule = Literal["cosine", "linear", "polynomial", "constant", "wsd"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Trainable = Literal["all", "tape", "tape+embed+norm", "lora", "lora+embed+norm"]
 OnNan = Literal["skip", "stop"]
+WandbMode = Literal["online", "offline", "disabled"]
 
 
 @dataclass
@@ -84,12 +85,14 @@ class DataSection:
 
     train: list[DataSource] = option(
         [],
-        "Training shards: a directory, a list of directories, or a list of {path, weight} to mix sources.",
+        "Training shards: a directory, a list of directories, or a list of {path, weight} to mix sources. Paths "
+        "in a config are relative to the working directory (only base: is relative to the file).",
         shown_type="path or list",
     )
     val: list[DataSource] = option(
         [],
-        "Validation shards, same forms as data.train (empty = no evaluation during training).",
+        "Validation shards, same forms as data.train (empty = no evaluation during training). The val split of "
+        "each directory is read, so the directory of data.train can be given again (prepare --val-fraction).",
         shown_type="path, list or null",
     )
     seq_len: int | None = option(None, "Tokens per training sequence (null = model.max_seq_len).")
@@ -126,6 +129,17 @@ class LoraSection:
 
 
 @dataclass
+class ProfileSection:
+    """torch.profiler over a few optimizer steps: a trace per rank in RUN_DIR/profile/ (TensorBoard, Perfetto)."""
+
+    start_step: int = option(10, "First profiled optimizer step (after warm-up: the first steps are not typical).")
+    steps: int = option(3, "Number of optimizer steps profiled.")
+    memory_snapshot: bool = option(
+        True, "On CUDA, also record the allocator's history and dump a memory snapshot (pytorch.org/memory_viz)."
+    )
+
+
+@dataclass
 class TrainSection:
     """Steps, batch sizes, intervals and what to do when things go wrong."""
 
@@ -141,7 +155,11 @@ class TrainSection:
     )
     log_interval: int = option(10, "Write metrics.jsonl and TensorBoard every N steps.")
     eval_interval: int = option(0, "Evaluate on data.val every N steps (0 = never).")
-    eval_steps: int = option(50, "Micro batches per rank in one evaluation.")
+    eval_steps: int = option(
+        50,
+        "Validation batches of train.global_batch_size sequences in one evaluation: the first eval_steps × "
+        "global_batch_size samples of data.val (at most all of them), the same samples on any number of ranks.",
+    )
     keep_last: int = option(3, "Keep the newest K checkpoints, deleting older ones (0 = keep all).")
     resume: str = option(
         "auto",
@@ -162,6 +180,9 @@ class TrainSection:
     grad_clip: float = option(1.0, "Clip the global gradient norm to this (0 = no clipping).")
     random_position_offset: int = option(
         0, "Add a random offset in [0, N] to each sequence's positions while training (0 = off)."
+    )
+    profile: ProfileSection | None = option(
+        None, "Profile train.profile.steps optimizer steps from start_step with torch.profiler (null = off)."
     )
 
 
@@ -251,11 +272,29 @@ class DeepSpeedSection:
     )
     loss_scale: float = option(0.0, "fp16 only: static loss scale (0 = dynamic loss scaling).")
     initial_scale_power: int = option(16, "fp16 only: dynamic loss scaling starts at 2**this.")
+    timeout_minutes: float = option(
+        30.0,
+        "Timeout of every collective (process-group init). Raise it when ranks wait longer for one another, e.g. "
+        "while rank 0 saves or converts a large checkpoint (DeepSpeed's own default is 10).",
+    )
     extra: dict[str, Any] = option(
         {},
         "Raw DeepSpeed JSON deep-merged last (e.g. {comms_logger: {enabled: true}}). Keys tapetrain owns "
         "(batch sizes, optimizer, scheduler, gradient_clipping, precision, ZeRO stage) are rejected.",
         shown_type="mapping",
+    )
+
+
+@dataclass
+class WandbSection:
+    """Weights & Biases: the same scalars as metrics.jsonl and TensorBoard (needs `pip install "tapetrain[wandb]"`)."""
+
+    project: str = option("tapetrain", "W&B project.")
+    entity: str | None = option(None, "W&B team or user (null = your default entity).")
+    name: str | None = option(None, "W&B run name (null = run.name, else the last part of run.out_dir).")
+    tags: list[str] = option([], "W&B run tags.")
+    mode: WandbMode | None = option(
+        None, "online, offline (files only, `wandb sync` later) or disabled (null = $WANDB_MODE, else online)."
     )
 
 
@@ -270,4 +309,9 @@ class LoggingSection:
     peak_tflops: float | None = option(
         None,
         "Per-device peak TFLOP/s used for MFU (null = look up the GPU model; no MFU on unknown devices).",
+    )
+    wandb: WandbSection | None = option(
+        None,
+        "Weights & Biases logging, off by default (null); its files go to RUN_DIR/wandb/, and a resumed run "
+        "continues the same W&B run.",
     )

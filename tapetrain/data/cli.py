@@ -14,6 +14,9 @@ import sys
 
 from tapetrain.data.errors import DataError
 
+INPUT_HELP = (".jsonl/.json/.txt globs (also .gz, e.g. C4's c4-*.json.gz; .jsonl.zst), .parquet, or "
+              "hf:NAME[:CONFIG][:SPLIT]")
+
 
 def _fail(err: Exception) -> int:
     print(f"error: {err}", file=sys.stderr)
@@ -47,7 +50,7 @@ def add_tokenizer_parser(subparsers) -> argparse.ArgumentParser:
     parser.set_defaults(func=_tokenizer_help(parser))
     train = actions.add_parser("train", help="train a BPE sentencepiece model (byte fallback, Llama ids)")
     train.add_argument("--input", nargs="+", required=True, metavar="GLOB",
-                       help=".jsonl/.jsonl.zst/.json/.txt/.parquet globs or hf:NAME[:CONFIG][:SPLIT]")
+                       help=INPUT_HELP)
     train.add_argument("--vocab-size", type=int, required=True, metavar="N")
     train.add_argument("--out", required=True, metavar="tok.model")
     train.add_argument("--text-key", default="text")
@@ -76,7 +79,7 @@ def add_prepare_parser(subparsers) -> argparse.ArgumentParser:
     [--text-key text] [--val-fraction F] [--workers N] [--skip-bad] [--overwrite]"""
     parser = subparsers.add_parser("prepare", help="tokenize a corpus into token shards + manifest.json")
     parser.add_argument("--input", nargs="+", required=True, metavar="GLOB",
-                        help=".jsonl/.jsonl.zst/.json/.txt/.parquet globs or hf:NAME[:CONFIG][:SPLIT]")
+                        help=INPUT_HELP)
     parser.add_argument("--tokenizer", required=True, metavar="tok.model")
     parser.add_argument("--out", required=True, metavar="DIR")
     parser.add_argument("--text-key", default="text")

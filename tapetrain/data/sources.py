@@ -4,6 +4,7 @@ Supported inputs (globs are expanded and sorted, so the document order is determ
   *.jsonl, *.jsonl.zst  one JSON object per line, text under `text_key`
   *.json                a JSON list of objects, or JSON lines
   *.txt                 the whole file is one document
+  *.json.gz, *.jsonl.gz, *.txt.gz   the same, gzip-compressed (C4 ships as c4-*.json.gz JSON lines)
   *.parquet             column `text_key`
   hf:NAME[:CONFIG][:SPLIT]  `datasets.load_dataset(NAME, CONFIG, split=SPLIT, streaming=True)`; SPLIT defaults
                         to "train"; NAME may also be a local directory of data files.
@@ -11,16 +12,19 @@ Supported inputs (globs are expanded and sorted, so the document order is determ
 Bad records (malformed JSON, missing/non-string text, non-UTF-8 bytes, a file without documents) raise
 `DataError` naming file and line, unless `skip_bad=True`: then they are counted in `SourceStats`.
 Empty or whitespace-only documents are always dropped silently (common in real corpora, e.g. wikitext) and
-counted in `SourceStats.empty`. A glob matching nothing, an unknown extension, or an input yielding no
-document at all always raises.
+counted in `SourceStats.empty`; a file without any non-empty document (an empty .txt as much as an empty
+.jsonl) is a bad record. A glob matching nothing, an unknown extension, or an input yielding no document at all
+always raises.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import io
 import json
 import os
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -28,7 +32,8 @@ from typing import NamedTuple
 from tapetrain.data.errors import DataError
 
 SKIP_HINT = "fix the input or pass --skip-bad (skip_bad=True) to skip bad records"
-SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".txt", ".parquet")
+SUFFIXES = (".jsonl", ".jsonl.zst", ".json", ".txt", ".parquet", ".jsonl.gz", ".json.gz", ".txt.gz")
+_GZIP_ERRORS = (OSError, EOFError, zlib.error)  # gzip.BadGzipFile is an OSError
 _JSON_WS = " \t\r\n"
 
 
@@ -114,7 +119,7 @@ def iter_documents(
     stats = stats if stats is not None else SourceStats()
     patterns = [inputs] if isinstance(inputs, str) else list(inputs)
     for source in expand_inputs(patterns):
-        before = stats.documents + stats.empty + stats.skipped
+        documents_before, skipped_before = stats.documents, stats.skipped
         if source.startswith("hf:"):
             records = _read_hf(source, text_key, stats, skip_bad)
         else:
@@ -125,8 +130,9 @@ def iter_documents(
                 yield doc
             else:
                 stats.empty += 1
-        if stats.documents + stats.empty + stats.skipped == before:
-            stats.bad(f"{source}: contains no documents (empty file?); remove it from --input", skip_bad)
+        if stats.documents == documents_before and stats.skipped == skipped_before:
+            stats.bad(f"{source}: contains no documents (empty file, or only empty texts?); remove it from --input",
+                      skip_bad)
     if stats.documents == 0:
         raise DataError(f"inputs {patterns} yielded no non-empty document ({stats.summary()}); "
                         "check --input and --text-key")
@@ -136,6 +142,10 @@ def iter_documents(
 def _reader_for(path: str):
     if path.endswith(".jsonl.zst"):
         return _read_jsonl_zst
+    gzipped = {".jsonl.gz": _read_jsonl_gz, ".json.gz": _read_json_gz, ".txt.gz": _read_txt_gz}
+    for suffix, reader in gzipped.items():
+        if path.endswith(suffix):
+            return reader
     ext = os.path.splitext(path)[1]
     readers = {".jsonl": _read_jsonl, ".json": _read_json, ".txt": _read_txt, ".parquet": _read_parquet}
     if ext not in readers:
@@ -198,9 +208,49 @@ def _read_jsonl_zst(path: str, text_key: str, stats: SourceStats, skip_bad: bool
             stats.bad(f"{path}: corrupt zstd stream ({err}); re-compress the file or {SKIP_HINT}", skip_bad)
 
 
+def _gzip_bad(path: str, err: Exception, stats: SourceStats, skip_bad: bool) -> None:
+    stats.bad(f"{path}: corrupt or truncated gzip ({err}); re-download or re-compress the file or {SKIP_HINT}",
+              skip_bad)
+
+
+def _read_jsonl_gz(path: str, text_key: str, stats: SourceStats, skip_bad: bool) -> Iterator[Document]:
+    with gzip.open(path, "rb") as lines:  # streamed: C4's files are ~300 MB uncompressed each
+        try:
+            yield from _iter_json_lines(path, lines, text_key, stats, skip_bad)
+        except _GZIP_ERRORS as err:
+            _gzip_bad(path, err, stats, skip_bad)
+
+
+def _read_json_gz(path: str, text_key: str, stats: SourceStats, skip_bad: bool) -> Iterator[Document]:
+    """JSON lines (C4) are streamed; a JSON list is decompressed whole, as an uncompressed .json is read whole."""
+    try:
+        with gzip.open(path, "rb") as f:
+            head = f.read(4096).lstrip(_JSON_WS.encode())
+    except _GZIP_ERRORS as err:
+        _gzip_bad(path, err, stats, skip_bad)
+        return
+    if not head.startswith(b"["):
+        yield from _read_jsonl_gz(path, text_key, stats, skip_bad)
+        return
+    text = _decode_file(path, stats, skip_bad)
+    if text is not None:
+        yield from _json_text_documents(path, text, text_key, stats, skip_bad)
+
+
+def _read_txt_gz(path: str, text_key: str, stats: SourceStats, skip_bad: bool) -> Iterator[Document]:
+    yield from _read_txt(path, text_key, stats, skip_bad)
+
+
 def _decode_file(path: str, stats: SourceStats, skip_bad: bool) -> str | None:
-    with open(path, "rb") as f:
-        data = f.read()
+    """The whole file as text (gunzipped for *.gz); None after reporting undecodable bytes."""
+    try:
+        with (gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")) as f:
+            data = f.read()
+    except _GZIP_ERRORS as err:
+        if not path.endswith(".gz"):
+            raise
+        _gzip_bad(path, err, stats, skip_bad)
+        return None
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -218,8 +268,12 @@ def _read_txt(path: str, text_key: str, stats: SourceStats, skip_bad: bool) -> I
 
 def _read_json(path: str, text_key: str, stats: SourceStats, skip_bad: bool) -> Iterator[Document]:
     text = _decode_file(path, stats, skip_bad)
-    if text is None:
-        return
+    if text is not None:
+        yield from _json_text_documents(path, text, text_key, stats, skip_bad)
+
+
+def _json_text_documents(path: str, text: str, text_key: str, stats: SourceStats, skip_bad: bool):
+    """A .json file's text: a JSON list of objects, or JSON lines."""
     start = len(text) - len(text.lstrip(_JSON_WS))
     if not text[start:start + 1] == "[":  # not a list: JSON lines
         yield from _iter_json_lines(path, text.encode("utf-8").splitlines(), text_key, stats, skip_bad)

@@ -1,10 +1,10 @@
-"""Subcommands export-hf, eval-ppl and eval-passkey (DESIGN §3). Each `add_*_parser(subparsers)` registers one;
-`configure_*(parser)` fills a plain ArgumentParser (the tools/ scripts). `func(args) -> int` runs the job."""
+"""Subcommands export-hf, eval-ppl and eval-passkey (README.md has the recipes). Each `add_*_parser(subparsers)`
+registers one; `configure_*(parser)` fills a plain ArgumentParser (the tools/ scripts). `func(args) -> int` runs
+the job."""
 
 from __future__ import annotations
 
 import argparse
-import json
 
 
 def parse_lengths(text: str) -> list[int]:
@@ -19,6 +19,18 @@ def parse_lengths(text: str) -> list[int]:
 
 
 # ---- export-hf ---------------------------------------------------------------------------------------------------
+
+
+def export_summary(run_dir: str, result: dict) -> str:
+    """Two lines for the console; the full result is OUT/tapetrain_export.json."""
+    check = result.get("verification")
+    verified = (f"verified: max |Δlogits| {check['max_abs_diff']:.2g} <= {check['tolerance']:.2g}" if check
+                else "not verified (--no-verify)")
+    load = "AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)" if result["remote_code"] else \
+        "AutoModelForCausalLM.from_pretrained(OUT)"
+    return (f"exported {run_dir} step {result['step']} to {result['out_dir']}: {result['architecture']} pe="
+            f"{result['pe']} {result['dtype']}, tokenizer {result['tokenizer']['status']}; {verified}\n"
+            f"load with {load}; details in {result['out_dir']}/tapetrain_export.json")
 
 
 def configure_export_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -37,7 +49,7 @@ def configure_export_parser(parser: argparse.ArgumentParser) -> argparse.Argumen
 
         result = export_hf(args.run_dir, args.out, args.step, args.dtype, args.verify, args.tokenizer,
                            max_shard_size=args.max_shard_size, overwrite=args.overwrite)
-        print(json.dumps(result, indent=2))
+        print(export_summary(args.run_dir, result))
         return 0
 
     parser.set_defaults(func=run)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -43,4 +44,6 @@ def init_eval_ranks() -> EvalRanks:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend)
         owns = True
+    if dist.get_rank() != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # one console voice: rank 0 logs, every rank warns
     return EvalRanks(dist.get_rank(), dist.get_world_size(), owns)

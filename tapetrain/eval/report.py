@@ -6,6 +6,8 @@ import json
 import os
 import tempfile
 
+from tapetrain.file_modes import use_umask_mode
+
 
 def write_json_atomic(path: str, obj: dict) -> None:
     """Write JSON to a temp file in the same directory, then rename: readers never see a partial file."""
@@ -16,6 +18,7 @@ def write_json_atomic(path: str, obj: dict) -> None:
         with os.fdopen(fd, "w") as f:
             json.dump(obj, f, indent=2)
             f.write("\n")
+        use_umask_mode(tmp)  # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
@@ -63,6 +66,7 @@ def _save_figure(fig, out_png: str) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+        use_umask_mode(tmp)
         os.replace(tmp, out_png)
     finally:
         if os.path.exists(tmp):

@@ -7,7 +7,7 @@ Every backend computes, per query head h,
     o_e = A · e_h          (only when e is given; TAPE's positional stream)
 
 from a single softmax. TAPE treats its positional state E as extra value channels, so A·V and A·E share one
-pass (DESIGN §1 "Fused attention").
+pass (README.md "TAPE as implemented").
 
 Shapes (heads-first, like SDPA):
     q   (B, H,  T, D)
@@ -199,17 +199,19 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
                 f"attention backend {requested!r} does not take an additive bias (alibi/fire); use sdpa or eager"
             )
         choice = requested
-    key = (requested, choice, device.type, dtype, has_bias, has_e)
+    # One line per distinct choice: a TAPE model's last layer (no state update, so no E) usually gets the same
+    # backend as its other layers and is not logged again.
+    key = (requested, choice, device.type, dtype, has_bias)
     if key not in _logged_choices and not torch.compiler.is_compiling():  # logging would break a compiled graph
         _logged_choices.add(key)
         log.info(
-            "attention backend: requested=%s -> %s (device=%s dtype=%s tape=%s bias=%s)",
+            "attention backend: requested=%s -> %s (device=%s dtype=%s bias=%s%s)",
             requested,
             choice,
             device.type,
             dtype,
-            has_e,
             has_bias,
+            ", for layers that carry TAPE's state E as extra values" if has_e else "",
         )
     return choice
 

@@ -1,4 +1,4 @@
-"""TAPE's two position-state updates (DESIGN §1).
+"""TAPE's two position-state updates (README.md "TAPE as implemented").
 
 Inside the model the state E is token-major, (B, T, M, D): per token and head, F = D/2 blocks (c, s) stored
 rotate-half style as [c ‖ s]. Token-major is the layout q and k come out of their projections in, so rotating

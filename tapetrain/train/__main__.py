@@ -9,17 +9,14 @@ import argparse
 import logging
 import sys
 
+from tapetrain.train.arguments import configure_train_parser
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tapetrain.train")
-    parser.add_argument("config")
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser = configure_train_parser(argparse.ArgumentParser(prog="python -m tapetrain.train"))
+    args = parser.parse_intermixed_args(argv)  # overrides may come before or after --dry-run / --print-config
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from tapetrain.train.run import train_from_args
-
-    return train_from_args(args.config, args.overrides)
+    return args.func(args)
 
 
 if __name__ == "__main__":

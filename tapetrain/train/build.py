@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +39,7 @@ class Components:
     model: Transformer
     model_config: ModelConfig
     train_batches: object  # tapetrain.data.stream.BatchIterator (or its PrefetchingBatches)
-    make_val_batches: Callable[[], object]
+    val_dataset: object  # the validation split (None without data.val); see tapetrain.train.validation
     has_val: bool
     start_step: int
     start_tokens: int
@@ -48,6 +47,7 @@ class Components:
     checkpoint_bytes: int = 0  # expected size of one checkpoint (checked against free space before each save)
     tokenizer_sha256: str | None = None
     skipped_steps: int = 0  # optimizer steps skipped for non-finite values before this start
+    startup: object = None  # tapetrain.train.startup.StartupClock: the trainer logs the first step's time
 
 
 @dataclass
@@ -196,7 +196,27 @@ def _discard_universal(universal: Path, env: DistEnv) -> None:
         shutil.rmtree(universal.parent, ignore_errors=True)
 
 
-def build_components(cfg, env: DistEnv) -> Components:
+def resolve_model_config_agreed(cfg, env: DistEnv) -> ModelConfig:
+    """resolve_model_config on every rank, collectively: a missing init_from checkpoint is one clean message."""
+    found: dict = {}
+
+    def resolve() -> None:
+        try:
+            found["config"] = resolve_model_config(cfg)
+        except FileNotFoundError as err:
+            raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {err}") from err
+
+    agree(env, resolve)
+    return found["config"]
+
+
+def data_summary(start: StartChecks) -> str:
+    val = f"{start.val_dataset.num_samples:,} validation samples" if start.val_dataset is not None else "no data.val"
+    resume = f"resuming from {start.checkpoint}" if start.checkpoint else "fresh start"
+    return f"{start.train_dataset.num_samples:,} training samples, {val}; {resume}"
+
+
+def build_components(cfg, env: DistEnv, clock=None) -> Components:
     import deepspeed
 
     from tapetrain.config import build_deepspeed_config
@@ -205,8 +225,10 @@ def build_components(cfg, env: DistEnv) -> Components:
     from tapetrain.train.optim import apply_trainable, build_optimizer
     from tapetrain.train.optim_settings import apply_config_settings, group_hyperparameters
     from tapetrain.train.schedule import build_scheduler
+    from tapetrain.train.startup import StartupClock
 
-    model_config = resolve_model_config(cfg)
+    clock = clock or StartupClock()
+    model_config = resolve_model_config_agreed(cfg, env)
     if cfg.model.init_from:  # the resolved config.yaml records the checkpoint's shape
         shape = {k: getattr(model_config, k) for k in CHECKPOINT_SHAPE_FIELDS}
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
@@ -214,7 +236,10 @@ def build_components(cfg, env: DistEnv) -> Components:
     start = check_before_start(cfg, env, model_config)
     checkpoint, state = start.checkpoint, start.state
     run_dir = Path(cfg.run.out_dir)
+    clock.done("data", data_summary(start))
 
+    source = f"loading {cfg.model.init_from}" if cfg.model.init_from else "random init"
+    clock.begin("model", f"{cfg.model.preset or 'custom'} pe={model_config.pe}, {source}")
     model = build_model(cfg, model_config, env, ds_config)
     if cfg.train.lora is not None:
         from tapetrain.train.lora import apply_lora
@@ -224,6 +249,7 @@ def build_components(cfg, env: DistEnv) -> Components:
     apply_trainable(model, cfg.train.trainable)
 
     total, trainable = _parameter_counts(model)
+    clock.done("model", f"{total / 1e6:.2f}M parameters ({trainable / 1e6:.2f}M trainable)")
     d = cfg.deepspeed
     checkpoint_bytes = disk.checkpoint_bytes(total, trainable, d.precision, d.zero_stage, env.world_size,
                                              d.stage3_gather_16bit_weights_on_model_save)
@@ -262,6 +288,8 @@ def build_components(cfg, env: DistEnv) -> Components:
             checkpoint, env.world_size, state["world_size"], state["zero_stage"],
         )
 
+    clock.begin("engine", f"DeepSpeed ZeRO-{d.zero_stage} {d.precision} on {env.world_size} rank(s)"
+                + (f", loading {checkpoint.name}" if state else ""))
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     engine, _, _, _ = deepspeed.initialize(
@@ -298,30 +326,18 @@ def build_components(cfg, env: DistEnv) -> Components:
         store.load_rng(checkpoint, env.rank)
         start_step, start_tokens = state["step"], state["tokens"]
         log.info("resumed from %s at step %d (lr %.3g)", checkpoint, start_step, engine.get_lr()[0])
+    clock.done("engine", "ready" + (f", resumed at step {start_step}" if state else ""))
     _log_epochs(train_batches, cfg.train.steps - start_step)
     if cfg.data.num_workers > 0:
         train_batches = PrefetchingBatches(train_batches, cfg.data.num_workers)
 
     val_dataset = start.val_dataset
-
-    def make_val_batches():
-        # The same fixed, unshuffled validation batches at every evaluation.
-        return BatchIterator(
-            val_dataset,
-            global_batch_size=cfg.train.micro_batch_size * env.world_size,
-            micro_batch_size=cfg.train.micro_batch_size,
-            rank=env.rank,
-            world_size=env.world_size,
-            seed=0,
-            shuffle=False,
-        )
-
     return Components(
         engine=engine,
         model=model,
         model_config=model_config,
         train_batches=train_batches,
-        make_val_batches=make_val_batches,
+        val_dataset=val_dataset,
         has_val=val_dataset is not None,
         start_step=start_step,
         start_tokens=start_tokens,
@@ -329,6 +345,7 @@ def build_components(cfg, env: DistEnv) -> Components:
         checkpoint_bytes=checkpoint_bytes,
         tokenizer_sha256=start.tokenizer_sha256,
         skipped_steps=int((state or {}).get("skipped_steps", 0)),
+        startup=clock,
     )
 
 

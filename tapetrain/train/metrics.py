@@ -42,8 +42,11 @@ def memory_gb(device: torch.device) -> float:
 class MetricsLogger:
     """Rank 0 only: appends to metrics.jsonl, writes TensorBoard scalars, prints a progress line."""
 
-    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, start_step: int, name: str | None = None):
+    def __init__(self, run_dir: Path, total_steps: int, tensorboard: bool, start_step: int, name: str | None = None,
+                 mirror=None):
+        """`mirror`: another sink for the written records (tapetrain.train.wandb_mirror.WandbMirror) or None."""
         self.path = run_dir / "metrics.jsonl"
+        self.mirror = mirror
         self.total_steps = total_steps
         self.start_step = start_step
         self.name = name
@@ -86,6 +89,8 @@ class MetricsLogger:
                         f"train/{key}" if not key.startswith("val_") else f"val/{key[4:]}", value, step
                     )
             self.writer.flush()
+        if self.mirror is not None:
+            self.mirror.log(record)
 
     def _show(self, record: dict) -> None:
         step = record["step"]
@@ -112,6 +117,8 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.mirror is not None:
+            self.mirror.close()
 
 
 def _fmt(value, spec: str) -> str:

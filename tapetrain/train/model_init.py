@@ -82,7 +82,7 @@ def build_model(cfg, model_config: ModelConfig, env: DistEnv, ds_config: dict) -
                 if env.is_main:
                     param.data.copy_(tensor.to(param.dtype))
 
-        copy_hf_weights(model, cfg.model.init_from, gathered_copy)
+        copy_hf_weights(model, cfg.model.init_from, gathered_copy, progress=env.is_main)
         return model
     with torch.device("meta"):
         model = Transformer(model_config)
@@ -90,5 +90,5 @@ def build_model(cfg, model_config: ModelConfig, env: DistEnv, ds_config: dict) -
     if model_config.tie_embeddings:
         model.lm_head.weight = model.embed.weight  # to_empty gives each reference its own storage
     model.reset_parameters()
-    copy_hf_weights(model, cfg.model.init_from)
+    copy_hf_weights(model, cfg.model.init_from, progress=env.is_main)
     return model

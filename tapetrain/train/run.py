@@ -5,42 +5,94 @@ from __future__ import annotations
 import logging
 import os
 
+import torch
+
+from tapetrain.distributed import collective_timeout_minutes
 from tapetrain.train.distributed import init_distributed
 
 log = logging.getLogger("tapetrain.train")
 
 
-def train_from_args(config_path: str, overrides: list[str]) -> int:
+def train_from_args(config_path: str, overrides: list[str], *, print_config: bool = False, dry_run: bool = False,
+                    world_size: int | None = None) -> int:
     """Exit code 0 when training finished or stopped cleanly (signal), 1 when it refused to start or had to stop;
-    expected failures print their message once (no traceback: it names the problem and the fix)."""
+    expected failures print their message once, on the lowest rank that saw them (no traceback: it names the
+    problem and the fix). `print_config`: print what the config resolves to (for `world_size` ranks) and stop;
+    `dry_run`: run every start-up check, write nothing, stop before training."""
     from tapetrain.train.collective import EXPECTED_ERRORS
 
     try:
-        return _train(config_path, overrides)
+        if print_config:
+            from tapetrain.train.preflight import print_resolved
+
+            return print_resolved(config_path, overrides, world_size)
+        return _train(config_path, overrides, dry_run=dry_run)
     except EXPECTED_ERRORS as err:
         if not getattr(err, "reported_elsewhere", False):
             rank = os.environ.get("RANK", "0")
             log.error("%s%s", f"[rank {rank}] " if rank != "0" else "", err)
+        _leave_process_group()
         return 1
 
 
-def _train(config_path: str, overrides: list[str]) -> int:
+def _leave_process_group() -> None:
+    """Tear the process group down before exiting with an error: left to interpreter shutdown, gloo's worker
+    threads can be destroyed unjoined ("terminate called without an active exception", SIGABRT)."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            torch.distributed.destroy_process_group()
+        except Exception:  # noqa: BLE001 - exiting anyway; the error above is what matters
+            pass
+
+
+def _load_config_on_every_rank(config_path: str, overrides: list[str]):
+    """(config, None) or (None, the config error). Under a launcher a config error is held until the process
+    group exists, so that the ranks can agree and one of them prints it; a lone process raises at once."""
     from tapetrain.config import load_run_config
+    from tapetrain.distributed import under_launcher
+    from tapetrain.train.collective import EXPECTED_ERRORS
+
+    try:
+        return load_run_config(config_path, list(overrides)), None
+    except EXPECTED_ERRORS as err:
+        if not under_launcher():
+            raise
+        return None, err
+
+
+def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> int:
     from tapetrain.train.build import build_components
     from tapetrain.train.collective import agree
     from tapetrain.train.run_lock import RunLock
+    from tapetrain.train.startup import StartupClock
     from tapetrain.train.trainer import Trainer
+    from tapetrain.train.wandb_mirror import require_wandb
 
-    cfg = load_run_config(config_path, list(overrides))  # fails fast, before any process group exists
-    env = init_distributed()
-    cfg = cfg.resolve(world_size=env.world_size, device_type=env.device.type)
+    clock = StartupClock()
+    cfg, config_error = _load_config_on_every_rank(config_path, overrides)
+    env = init_distributed(cfg.deepspeed.timeout_minutes if cfg is not None else None)
     if not env.is_main:
         logging.getLogger().setLevel(logging.WARNING)  # one console voice
+
+    def raise_config_error() -> None:
+        if config_error is not None:
+            raise config_error
+
+    agree(env, raise_config_error)  # every rank stops; the lowest failing rank says why
+    agree(env, lambda: require_wandb(cfg.logging.wandb), on_main_only=True)
+    cfg = cfg.resolve(world_size=env.world_size, device_type=env.device.type)
+    timeout = collective_timeout_minutes() or cfg.deepspeed.timeout_minutes
+    clock.done("config", f"{_config_summary(config_path, cfg, env.world_size)}; process group "
+               f"{torch.distributed.get_backend()}, collective timeout {timeout:g} min")
+    if dry_run:
+        from tapetrain.train.preflight import dry_run as check_only
+
+        return check_only(cfg, env)
     lock = RunLock(cfg.run.out_dir)
     agree(env, lock.acquire, on_main_only=True)  # one job per run directory, held until this process ends
     started = False
     try:
-        components = build_components(cfg, env)
+        components = build_components(cfg, env, clock=clock)
         started = True
         log.info(
             "run %s: model %s pe=%s, %.2fM parameters (%.2fM trainable); %d rank(s), grad accumulation %d",
@@ -55,3 +107,10 @@ def _train(config_path: str, overrides: list[str]) -> int:
         return Trainer(cfg, env, components).fit()
     finally:
         lock.release(failed_start=not started)
+
+
+def _config_summary(config_path: str, cfg, world_size: int) -> str:
+    accum = cfg.grad_accum_steps(world_size)
+    return (f"{config_path}: {world_size} rank(s), global batch {cfg.train.global_batch_size} = micro batch "
+            f"{cfg.train.micro_batch_size} x {world_size} rank(s) x {accum} accumulation, "
+            f"{cfg.tokens_per_step(world_size):,} tokens per step")

@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from tapetrain.checkpoint import disk, store
@@ -52,10 +53,23 @@ class Trainer:
         self.run_name = cfg.run.name or self.run_dir.resolve().name
         self.epoch = components.train_batches.epoch
         self.metrics = (
-            MetricsLogger(self.run_dir, cfg.train.steps, cfg.logging.tensorboard, self.step, name=self.run_name)
+            MetricsLogger(self.run_dir, cfg.train.steps, cfg.logging.tensorboard, self.step, name=self.run_name,
+                          mirror=self._wandb_mirror())
             if env.is_main
             else None
         )
+        self.profiler = None
+        if cfg.train.profile is not None:
+            from tapetrain.train.profiling import StepProfiler
+
+            self.profiler = StepProfiler(cfg.train.profile, self.run_dir, env.rank, env.device)
+
+    def _wandb_mirror(self):
+        if self.cfg.logging.wandb is None:
+            return None
+        from tapetrain.train.wandb_mirror import WandbMirror
+
+        return WandbMirror(self.cfg.logging.wandb, self.run_dir, self.run_name, self.cfg.to_dict())
 
     # ---- signals -------------------------------------------------------------------------------------------------
 
@@ -143,7 +157,8 @@ class Trainer:
                 f"{what} at step {step}: the model diverged or the batch is bad; the update was not applied. "
                 f"Lower optim.lr (a resume applies the new value from the resumed step), keep train.grad_clip on, or "
                 "set train.on_nan=skip to skip such steps; then resume from the last good checkpoint in "
-                f"{self.run_dir / store.CHECKPOINTS} (same command, train.resume=auto)"
+                f"{self.run_dir / store.CHECKPOINTS} (same command, train.resume=auto)",
+                reported_elsewhere=not self.env.is_main,  # every rank stops at this step; rank 0 says why
             )
         self.nan_skips_in_a_row += 1
         self.skipped_steps += 1
@@ -153,7 +168,8 @@ class Trainer:
             raise NonFiniteLossError(
                 f"{self.nan_skips_in_a_row} steps in a row were skipped for non-finite losses or gradients (last: step "
                 f"{step}; train.max_nan_skips={self.cfg.train.max_nan_skips}): the run has diverged. Lower optim.lr "
-                f"and resume from the last good checkpoint in {self.run_dir / store.CHECKPOINTS}"
+                f"and resume from the last good checkpoint in {self.run_dir / store.CHECKPOINTS}",
+                reported_elsewhere=not self.env.is_main,
             )
 
     def _check_weights(self, when: str) -> None:
@@ -163,25 +179,39 @@ class Trainer:
             raise NonFiniteLossError(
                 f"the weights contain NaN/inf {when} (step {self.step}); nothing was saved and DONE.json is not "
                 f"written. Resume from the last good checkpoint in {self.run_dir / store.CHECKPOINTS} with a lower "
-                "optim.lr"
+                "optim.lr",
+                reported_elsewhere=not self.env.is_main,
             )
 
     # ---- validation ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
     def validate(self) -> dict:
-        batches = self.c.make_val_batches()
+        """Token-weighted mean loss over the same validation samples on any number of ranks (train/validation)."""
+        from tqdm import tqdm
+
+        from tapetrain.train.validation import eval_sample_count, rank_val_batches
+
+        dataset = self.c.val_dataset
+        samples = eval_sample_count(dataset.num_samples, self.cfg.train.eval_steps, self.cfg.train.global_batch_size)
+        batches = rank_val_batches(samples, self.cfg.train.micro_batch_size, self.env.rank, self.env.world_size)
+        started = time.perf_counter()
         self.engine.eval()
         nll, count = 0.0, 0.0
-        for _ in range(self.cfg.train.eval_steps):
-            batch = batches.next_micro_batch().to(self.env.device)
-            out = self.engine(batch[:, :-1], labels=batch[:, 1:])
-            nll += float(out.loss) * batch[:, 1:].numel()
-            count += batch[:, 1:].numel()
+        bar = tqdm(batches, desc=f"validation @ step {self.step}", unit="batch", disable=not self.env.is_main,
+                   mininterval=1.0, dynamic_ncols=True)
+        for indices, weight in bar:
+            batch = torch.from_numpy(np.stack([dataset[int(i)] for i in indices])).to(self.env.device)
+            out = self.engine(batch[:, :-1], labels=batch[:, 1:])  # (b, seq_len + 1) -> mean loss of b·seq_len
+            nll += weight * float(out.loss) * batch[:, 1:].numel()
+            count += weight * batch[:, 1:].numel()
         self.engine.train()
         nll, count = all_reduce_sum([nll, count], self.env.device)
         val_loss = nll / count
-        return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+        val_ppl = math.exp(min(val_loss, 50.0))
+        log.info("step %d | val_loss %.4f | val_ppl %.4g | %d samples (%d tokens) in %.1f s", self.step, val_loss,
+                 val_ppl, samples, int(count), time.perf_counter() - started)
+        return {"val_loss": val_loss, "val_ppl": val_ppl}
 
     # ---- checkpoints -----------------------------------------------------------------------------------------------
 
@@ -240,9 +270,20 @@ class Trainer:
         save_every = cfg.train.save_interval  # 0 = only the last step (and on a stop signal)
         if self.step >= cfg.train.steps:
             log.info("run already complete at step %d (train.steps=%d)", self.step, cfg.train.steps)
+        first_step = self.c.startup if self.step < cfg.train.steps else None
+        if first_step is not None:
+            first_step.begin("first step", f"step {self.step + 1} (the first steps are slower: warm-up"
+                             + (", compilation)" if cfg.model.compile else ")"))
         while self.step < cfg.train.steps:
             step_start = time.perf_counter()
+            if self.profiler:
+                self.profiler.before_step(self.step + 1)
             result = self.train_step()
+            if self.profiler:
+                self.profiler.after_step(self.step + 1)
+            if first_step is not None:
+                first_step.done("first step", f"step {self.step + 1} done, loss {result['loss']:.4f}")
+                first_step = None
             self.step += 1
             self.tokens += tokens_per_step
             window_tokens += tokens_per_step
@@ -271,7 +312,7 @@ class Trainer:
             if self.c.has_val and cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0:
                 val = self.validate()
                 if self.metrics:
-                    self.metrics.log({"step": self.step, **val})
+                    self.metrics.log({"step": self.step, **val}, show=False)  # validate() printed it
             stop = self._stop_requested()
             if stop or (save_every and self.step % save_every == 0) or last:
                 self.save()
@@ -282,6 +323,8 @@ class Trainer:
                     self.step,
                 )
                 break
+        if self.profiler:
+            self.profiler.finish()  # the run ended inside the profiled steps
         if last_saved != self.step:
             self.save()
         self._check_weights("at the end of the run")

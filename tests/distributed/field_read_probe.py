@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,7 +59,8 @@ def instrument() -> list[str]:
     owners = {ModelConfig: "model", sections.ModelSection: "model", sections.RunSection: "run",
               sections.DataSection: "data", sections.DataSource: "data.train[i]", sections.TrainSection: "train",
               sections.LoraSection: "train.lora", sections.OptimSection: "optim",
-              sections.DeepSpeedSection: "deepspeed", sections.LoggingSection: "logging"}
+              sections.DeepSpeedSection: "deepspeed", sections.LoggingSection: "logging",
+              sections.ProfileSection: "train.profile", sections.WandbSection: "logging.wandb"}
     every = []
     for cls, owner in owners.items():
         names = {f.name for f in dataclasses.fields(cls)}
@@ -70,7 +72,17 @@ def instrument() -> list[str]:
             return object.__getattribute__(self, name)
 
         cls.__getattribute__ = getattribute
+    if not have_wandb():  # an optional extra: its keys can only be exercised where it is installed
+        every = [key for key in every if not key.startswith("logging.wandb.")]
     return sorted(set(every))
+
+
+def have_wandb() -> bool:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def train_runs(data: str, tokenizer: str, work: Path) -> None:
@@ -82,11 +94,16 @@ def train_runs(data: str, tokenizer: str, work: Path) -> None:
         "data": {"train": [{"path": data, "weight": 1.0}], "val": data, "seq_len": 64, "tokenizer": tokenizer,
                  "num_workers": 1, "verify": True},
         "train": {"steps": 2, "micro_batch_size": 2, "global_batch_size": 4, "save_interval": 1, "log_interval": 1,
-                  "eval_interval": 1, "eval_steps": 1, "keep_last": 1, "random_position_offset": 8},
+                  "eval_interval": 1, "eval_steps": 1, "keep_last": 1, "random_position_offset": 8,
+                  "profile": {"start_step": 2, "steps": 1}},
         "optim": {"lr": 1e-3, "warmup_ratio": 0.5},
         "deepspeed": {"zero_stage": 2, "precision": "fp32"},
         "logging": {"tensorboard": True, "console_interval": 1, "peak_tflops": 1.0},
     }
+    if have_wandb():
+        os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+        base["logging"]["wandb"] = {"project": "probe", "entity": None, "name": "probe", "tags": ["t"],
+                                    "mode": "offline"}
     diverging = {**base, "run": {"out_dir": str(work / "nan")}, "data": {**base["data"], "verify": False}}
     nan = ["optim.lr=1e30", "optim.warmup_ratio=null", "train.grad_clip=0.0", "train.on_nan=skip",
            "train.max_nan_skips=1", "train.steps=4"]

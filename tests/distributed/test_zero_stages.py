@@ -25,12 +25,25 @@ def test_two_rank_zero_stage_trains(tmp_path, shard_dir, stage):
 
 
 def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, shard_dir):
-    """Same global batch (8): 2 ranks × micro 2 × accum 2 vs 1 rank × micro 2 × accum 4, fp32."""
+    """Same global batch (8): 2 ranks × micro 2 × accum 2 vs 1 rank × micro 2 × accum 4, fp32. Validation too: it
+    used to read eval_steps micro batches per rank, so 2 ranks scored twice the samples of 1 rank."""
     one = tmp_path / "one"
     two = tmp_path / "two"
-    run(single_cmd(write_config(tmp_path / "1.yaml", shard_dir, one)))
-    run(launcher_cmd(write_config(tmp_path / "2.yaml", shard_dir, two), 2))
+    val = {"data": {"train": str(shard_dir), "val": str(shard_dir), "seq_len": 64},
+           "train": {"eval_interval": 3, "eval_steps": 1}}
+    run(single_cmd(write_config(tmp_path / "1.yaml", shard_dir, one, **val)))
+    launched = run(launcher_cmd(write_config(tmp_path / "2.yaml", shard_dir, two, **val), 2))
+    assert "FutureWarning" not in launched.stderr + launched.stdout  # torch's deprecation of DeepSpeed's collectives
     a, b = losses(one), losses(two)
     assert a.keys() == b.keys()
     for step in a:
         assert abs(a[step] - b[step]) < 1e-4, (step, a[step], b[step])
+    val_a, val_b = val_losses(one), val_losses(two)
+    assert sorted(val_a) == sorted(val_b) == [3, 6]
+    for step in val_a:
+        assert abs(val_a[step] - val_b[step]) < 1e-4, (step, val_a[step], val_b[step])
+
+
+def val_losses(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}

@@ -1,6 +1,7 @@
 """tools/benchmark.py end to end on CPU with tiny sizes (subprocesses), plus its pure helpers.
 
-Checks only that results are produced and well-formed (DESIGN §4: performance is measured, never asserted).
+Checks only that results are produced and well-formed (performance is measured by tools/benchmark.py, never
+asserted by tests).
 """
 
 from __future__ import annotations

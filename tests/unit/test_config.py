@@ -309,6 +309,10 @@ def test_data_shorthands(tmp_path):
         (["deepspeed.extra={optimizer: {type: Adam}}"], "deepspeed.extra.optimizer: is derived by tapetrain"),
         (["deepspeed.extra={zero_optimization: {stage: 1}}"], "set deepspeed.zero_stage instead"),
         (["deepspeed.extra={train_batch_size: 4}"], "set train.global_batch_size instead"),
+        (["deepspeed.timeout_minutes=0"], "deepspeed.timeout_minutes: must be > 0"),
+        (["train.profile={start_step: 0}"], "train.profile.start_step: must be > 0"),
+        (["train.profile={start_step: 500}"], "profile a step the run reaches, e.g. train.profile.start_step=10"),
+        (["logging.wandb={mode: sometimes}"], "logging.wandb.mode"),
     ],
 )
 def test_impossible_values_name_key_and_fix(tmp_path, overrides, expected):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pyarrow as pa
@@ -42,10 +43,20 @@ def corpus_files(tmp_path):
     files["txt"] = str(tmp_path / "t*.txt")
     pq.write_table(pa.table({"text": DOCS, "n": [1, 2, 3]}), tmp_path / "p.parquet", row_group_size=2)
     files["parquet"] = str(tmp_path / "p.parquet")
+    # C4 ships as c4-train.00000-of-01024.json.gz: gzipped JSON lines (records also carry timestamp and url).
+    lines = "".join(json.dumps({"text": t, "timestamp": "2019-04-25T12:57:54Z", "url": "u"}) + "\n" for t in DOCS)
+    (tmp_path / "c4-train.00000-of-01024.json.gz").write_bytes(gzip.compress(lines.encode()))
+    files["json_gz"] = str(tmp_path / "c4-train.*.json.gz")
+    (tmp_path / "g.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    files["jsonl_gz"] = str(tmp_path / "g.jsonl.gz")
+    for i, t in enumerate(DOCS):
+        (tmp_path / f"z{i}.txt.gz").write_bytes(gzip.compress(t.encode()))
+    files["txt_gz"] = str(tmp_path / "z*.txt.gz")
     return files
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "zst", "json_list", "json_lines", "txt", "parquet"])
+@pytest.mark.parametrize("kind", ["jsonl", "zst", "json_list", "json_lines", "txt", "parquet", "json_gz",
+                                  "jsonl_gz", "txt_gz"])
 def test_every_format_reads_all_documents(corpus_files, kind):
     assert texts([corpus_files[kind]]) == DOCS
 
@@ -152,6 +163,29 @@ def test_empty_input(tmp_path):
     with pytest.raises(DataError, match="yielded no non-empty document"):
         texts([str(tmp_path / "empty.jsonl")], skip_bad=True, stats=stats)
     assert stats.skipped == 1
+
+
+def test_gzip_keeps_line_numbers_and_names_corrupt_files(corpus_files, tmp_path):
+    assert [d.line for d in iter_documents([corpus_files["json_gz"]])] == [1, 2, 3]
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"text": "ok"}\n{"text": 1}\n'))
+    with pytest.raises(DataError, match=r"bad\.jsonl\.gz:2: 'text' is int"):
+        texts([str(tmp_path / "bad.jsonl.gz")])
+    (tmp_path / "cut.json.gz").write_bytes(gzip.compress(b'{"text": "x"}\n' * 50)[:30])
+    with pytest.raises(DataError, match=r"cut\.json\.gz: corrupt or truncated gzip"):
+        texts([str(tmp_path / "cut.json.gz")])
+
+
+def test_empty_files_fail_alike_in_every_format(tmp_path):
+    """An empty .txt used to be dropped silently while an empty .jsonl was an error."""
+    (tmp_path / "empty.txt").write_bytes(b"")
+    (tmp_path / "blank.txt").write_text("  \n\n")
+    (tmp_path / "real.txt").write_text("real text")
+    for name in ("empty.txt", "blank.txt"):
+        with pytest.raises(DataError, match=rf"{name}: contains no documents"):
+            texts([str(tmp_path / name), str(tmp_path / "real.txt")])
+    stats = SourceStats()
+    assert texts([str(tmp_path / "*.txt")], skip_bad=True, stats=stats) == ["real text"]
+    assert stats.skipped == 2
 
 
 def test_empty_documents_are_dropped_and_counted(tmp_path):

@@ -44,7 +44,8 @@ def test_prompt_holds_the_key_at_the_stated_position(setup):
         build_prompt(tok, 20, seed=0, trial=0)
 
 
-def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path):
+def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path, caplog):
+    caplog.set_level("INFO", logger="tapetrain.eval")
     run, hf, _ = setup
     reports = {}
     for name, model in (("run", run), ("hf", hf)):
@@ -68,5 +69,9 @@ def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path):
             assert record["prompt_tokens"] <= result["length"]
     # Same prompts and the same greedy answers from the run directory and from its export.
     assert [r["records"] for r in reports["run"]["results"]] == [r["records"] for r in report["results"]]
+    # Prompts are whole filler sentences, so a length is met from below: the log says so (it used to be silent).
+    for result in report["results"]:
+        shortest = min(r["prompt_tokens"] for r in result["records"])
+        assert f"passkey@{result['length']}: prompts of {shortest}-" in caplog.text
     again = run_eval_passkey(str(hf), LENGTHS, protocol="tapetrain", trials=3)
     assert again["results"] == report["results"]  # deterministic per seed

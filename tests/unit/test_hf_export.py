@@ -182,7 +182,12 @@ def test_cli_export_and_existing_output(rope_export, tmp_path, capsys):
     out = tmp_path / "cli"
     args = parser.parse_args(["export-hf", str(run), "--out", str(out), "--dtype", "fp16", "--step", "1"])
     assert args.func(args) == 0
-    assert json.loads(capsys.readouterr().out)["verification"]["passed"]
+    printed = capsys.readouterr().out
+    # A short summary (it used to print the whole ~60-line result JSON; that is in tapetrain_export.json)
+    assert len(printed.strip().splitlines()) <= 3, printed
+    assert f"exported {run} step 1 to {out}" in printed and "verified: max |Δlogits|" in printed
+    assert "tapetrain_export.json" in printed
+    assert json.loads((out / "tapetrain_export.json").read_text())["verification"]["passed"]
     with pytest.raises(ValueError, match="--overwrite"):
         args.func(args)
     args = parser.parse_args(["export-hf", str(run), "--out", str(out), "--overwrite", "--no-verify"])

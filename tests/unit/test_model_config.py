@@ -51,7 +51,7 @@ def test_paper_model_parameter_count_matches_formula():
     with torch.device("meta"):
         rope = Transformer(preset_config("paper-155m", pe="rope"))
         tape = Transformer(preset_config("paper-155m", pe="tape"))
-    assert rope.num_params() == paper_param_formula(False) == 162_417_408  # ≈ 163M (digest §4.1)
+    assert rope.num_params() == paper_param_formula(False) == 162_417_408  # ≈ 163M, the paper's 12-layer / 768-d model
     assert tape.num_params() == paper_param_formula(True)
     # ≈ 38K per layer as in the paper; the official code also builds them in the last layer (dead: 0.46M total).
     assert tape.tape_params() == 11 * 38_160 == 419_760

@@ -1,4 +1,5 @@
-"""The five TAPE properties of DESIGN §1, with every TAPE weight randomised to non-zero values (fp32)."""
+"""The five TAPE properties listed in README.md "TAPE as implemented", with every TAPE weight randomised to
+non-zero values (fp32)."""
 
 import pytest
 import torch

@@ -1,0 +1,105 @@
+"""`tapetrain train CONFIG --print-config` and `--dry-run`: see what a config resolves to, and check a start,
+without training or writing anything."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from tapetrain.errors import ConfigError
+from tapetrain.train.distributed import DistEnv
+
+log = logging.getLogger("tapetrain.train")
+
+
+def _parameter_counts(cfg, model_config) -> tuple[int, int]:
+    """(total, trainable) of the model this config builds, counted on the meta device (no memory, no weights).
+    LoRA adapters are not added: they are small next to what the estimate is for."""
+    from tapetrain.model import Transformer
+    from tapetrain.train.optim import apply_trainable
+
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    if cfg.train.trainable.startswith("lora"):
+        return model.num_params(), 0
+    trainable, total = apply_trainable(model, cfg.train.trainable)
+    return total, trainable
+
+
+def _memory_lines(cfg, model_config, world_size: int, total: int, trainable: int) -> list[str]:
+    from tapetrain.train.memory import estimate_memory
+
+    d = cfg.deepspeed
+    est = estimate_memory(
+        model_config, seq_len=cfg.data.seq_len, micro_batch=cfg.train.micro_batch_size, world_size=world_size,
+        zero_stage=d.zero_stage, trainable_params=trainable, total_params=total,
+        activation_checkpointing=model_config.activation_checkpointing, offload_optimizer=d.offload_optimizer,
+        offload_params=d.offload_params, fused_loss=model_config.loss_backend != "plain",
+    )
+    parts = [("weights", est.weights_gb), ("gradients", est.grads_gb), ("optimizer", est.optimizer_gb),
+             ("activations", est.activations_gb), ("logits", est.logits_gb), ("total", est.total_gpu_gb)]
+    return [
+        f"parameters: {total / 1e6:.2f}M ({trainable / 1e6:.2f}M trainable)",
+        "memory estimate per GPU (the README's memory model: 16-bit weights, fp32 Adam): "
+        + ", ".join(f"{name} {_size(gib)}" for name, gib in parts) + f"; host (offload) {_size(est.host_offload_gb)}",
+    ]
+
+
+def _size(gib: float) -> str:
+    return f"{gib:.2f} GiB" if gib >= 0.1 or gib == 0 else f"{gib * 1024:.1f} MiB"
+
+
+def print_resolved(config_path: str, overrides: list[str], world_size: int | None) -> int:
+    """Print the resolved YAML, the DeepSpeed JSON, the derived batch figures and the memory estimate."""
+    from tapetrain.config import build_deepspeed_config, dump_run_config, load_run_config
+    from tapetrain.train.model_init import resolve_model_config
+
+    world = world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = load_run_config(config_path, list(overrides)).resolve(world_size=world)
+    try:
+        model_config = resolve_model_config(cfg)
+    except FileNotFoundError as err:
+        raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {err}") from err
+    total, trainable = _parameter_counts(cfg, model_config)
+    accum = cfg.grad_accum_steps(world)
+    print(dump_run_config(cfg), end="")
+    print(f"\n# DeepSpeed JSON ({world} rank(s))")
+    print(json.dumps(build_deepspeed_config(cfg, world), indent=2))
+    print("\n# derived")
+    lines = [
+        f"ranks: {world}",
+        f"gradient accumulation: {accum} (global batch {cfg.train.global_batch_size} = micro batch "
+        f"{cfg.train.micro_batch_size} x {world} rank(s) x {accum})",
+        f"tokens per step: {cfg.tokens_per_step(world):,} ({cfg.train.global_batch_size} x {cfg.data.seq_len})",
+        f"tokens in the run: {cfg.tokens_per_step(world) * cfg.train.steps:,} ({cfg.train.steps} steps)",
+        *_memory_lines(cfg, model_config, world, total, trainable),
+    ]
+    print("\n".join(lines))
+    return 0
+
+
+def dry_run(cfg, env: DistEnv) -> int:
+    """Every check of a real start (collectively, on every rank), then stop: nothing is written or locked."""
+    from tapetrain.checkpoint import disk
+    from tapetrain.config import build_deepspeed_config
+    from tapetrain.train.build import check_before_start, data_summary, resolve_model_config_agreed
+    from tapetrain.train.collective import agree
+
+    model_config = resolve_model_config_agreed(cfg, env)
+    build_deepspeed_config(cfg, env.world_size)
+    start = check_before_start(cfg, env, model_config)
+    total, trainable = _parameter_counts(cfg, model_config)
+    d = cfg.deepspeed
+    needed = disk.checkpoint_bytes(total, trainable, d.precision, d.zero_stage, env.world_size,
+                                   d.stage3_gather_16bit_weights_on_model_save)
+    run_dir = Path(cfg.run.out_dir)
+    agree(env, lambda: disk.require_free_space(run_dir, needed, "one checkpoint"), on_main_only=True)
+    log.info(
+        "dry run OK, nothing written: config, data (%s), tokenizer, model (%.2fM parameters) and free space for a "
+        "checkpoint (%s) checked; drop --dry-run to train", data_summary(start), total / 1e6, disk.human(needed),
+    )
+    return 0
