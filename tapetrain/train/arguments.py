@@ -38,7 +38,10 @@ def configure_train_parser(parser: argparse.ArgumentParser) -> argparse.Argument
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from tapetrain.train.run import train_from_args
+    from tapetrain.train.run import leave_process_group, train_from_args
 
-    return train_from_args(args.config, args.overrides, print_config=args.print_config, dry_run=args.dry_run,
+    code = train_from_args(args.config, args.overrides, print_config=args.print_config, dry_run=args.dry_run,
                            world_size=args.world_size)
+    if code != 0:  # the process exits next; callers of train_from_args that go on keep their process group
+        leave_process_group()
+    return code

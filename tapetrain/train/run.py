@@ -31,13 +31,13 @@ def train_from_args(config_path: str, overrides: list[str], *, print_config: boo
         if not getattr(err, "reported_elsewhere", False):
             rank = os.environ.get("RANK", "0")
             log.error("%s%s", f"[rank {rank}] " if rank != "0" else "", err)
-        _leave_process_group()
         return 1
 
 
-def _leave_process_group() -> None:
-    """Tear the process group down before exiting with an error: left to interpreter shutdown, gloo's worker
-    threads can be destroyed unjoined ("terminate called without an active exception", SIGABRT)."""
+def leave_process_group() -> None:
+    """Tear the process group down before a process exits with an error: left to interpreter shutdown, gloo's
+    worker threads can be destroyed unjoined ("terminate called without an active exception", SIGABRT). Only at
+    exit: DeepSpeed caches the world group, so a later start in the same process could not use a new one."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
             torch.distributed.destroy_process_group()
