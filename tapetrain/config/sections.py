@@ -97,6 +97,12 @@ class DataSection:
         None, "SentencePiece model used to write the shards; checked against the shard manifest if given."
     )
     num_workers: int = option(1, "Background reader workers per rank (0 = read in the training process).")
+    packing: bool = option(
+        False,
+        "Supervised example data (tapetrain arith data / scrolls data): pack consecutive examples into each "
+        "sequence instead of padding every example to seq_len; the loss stays on the answers only, but attention "
+        "spans the packed examples.",
+    )
 
     @staticmethod
     def normalize_raw(raw: dict) -> dict:

@@ -77,19 +77,21 @@ class BatchIterator:
         first = self.consumed_samples + (self._micro_step * self.world_size + self.rank) * mb
         return self._order(np.arange(first, first + mb, dtype=np.int64))
 
-    def next_micro_batch(self) -> torch.Tensor:
-        """(micro_batch_size, seq_len + 1) int64; after grad_accum_steps calls the step is complete."""
-        batch = np.stack([self.dataset[int(i)] for i in self.micro_batch_indices()])
+    def next_micro_batch(self) -> Any:
+        """(micro_batch_size, seq_len + 1) int64 token windows, or what the dataset's `collate` makes of its
+        samples (an ExampleBatch for supervised examples); after grad_accum_steps calls the step is complete."""
+        samples = [self.dataset[int(i)] for i in self.micro_batch_indices()]
         self._micro_step += 1
         if self._micro_step == self.grad_accum_steps:
             self._micro_step = 0
             self.consumed_samples += self.global_batch_size
-        return torch.from_numpy(batch)
+        collate = getattr(self.dataset, "collate", None)
+        return collate(samples) if collate is not None else torch.from_numpy(np.stack(samples))
 
     def __iter__(self) -> BatchIterator:
         return self
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> Any:
         return self.next_micro_batch()
 
     def state_dict(self) -> dict[str, Any]:

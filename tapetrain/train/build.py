@@ -100,6 +100,17 @@ def _convert_to_universal(checkpoint: Path, env: DistEnv) -> Path | None:
     return out if ok else None
 
 
+def _with_example_tokenizer(cfg):
+    """data.tokenizer defaults to the tokenizer.model inside an example store (arith/scrolls data), so the run's
+    config.yaml names it and export-hf / the eval tools decode without being told."""
+    from tapetrain.data.examples import tokenizer_of
+
+    if cfg.data.tokenizer or not cfg.data.train:
+        return cfg
+    tokenizer = tokenizer_of(cfg.data.train[0].path)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer)) if tokenizer else cfg
+
+
 def _data_spec(sources) -> list[dict]:
     return [{"path": s.path, "weight": s.weight} for s in sources]
 
@@ -121,6 +132,7 @@ def build_components(cfg, env: DistEnv) -> Components:
     if cfg.model.init_from:  # the resolved config.yaml records the checkpoint's shape
         shape = {k: getattr(model_config, k) for k in CHECKPOINT_SHAPE_FIELDS}
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
+    cfg = _with_example_tokenizer(cfg)
     ds_config = build_deepspeed_config(cfg, env.world_size)
     _write_run_files(cfg, ds_config, env)
     model = build_model(cfg, model_config, env, ds_config)
@@ -167,7 +179,8 @@ def build_components(cfg, env: DistEnv) -> Components:
     if not cfg.data.train:
         raise ConfigError("data.train is empty; point it at a directory written by `tapetrain prepare`")
     dataset = open_dataset(
-        _data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=model_config.vocab_size, seed=cfg.run.seed
+        _data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=model_config.vocab_size, seed=cfg.run.seed,
+        packing=cfg.data.packing,
     )
     batch_args = dict(
         global_batch_size=cfg.train.global_batch_size,
@@ -198,7 +211,8 @@ def build_components(cfg, env: DistEnv) -> Components:
 
     has_val = bool(cfg.data.val)
     val_dataset = (
-        open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=model_config.vocab_size)
+        open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=model_config.vocab_size,
+                     packing=cfg.data.packing)
         if has_val
         else None
     )

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from tapetrain.checkpoint import store
+from tapetrain.data.supervised import inputs_and_labels
 from tapetrain.train.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
 
@@ -86,7 +87,8 @@ class Trainer:
             wait_start = time.perf_counter()
             batch = batches.next_micro_batch().to(self.env.device, non_blocking=True)  # (b, seq_len + 1)
             data_wait += time.perf_counter() - wait_start
-            out = engine(batch[:, :-1], labels=batch[:, 1:], position_offset=offset)
+            inputs, labels = inputs_and_labels(batch)  # supervised examples: labels -100 outside the answers
+            out = engine(inputs, labels=labels, position_offset=offset)
             loss = out.loss
             finite = all_reduce_sum([float(torch.isfinite(loss.detach()))], self.env.device)[0] == self.env.world_size
             if not finite:
@@ -132,10 +134,11 @@ class Trainer:
         self.engine.eval()
         nll, count = 0.0, 0.0
         for _ in range(self.cfg.train.eval_steps):
-            batch = batches.next_micro_batch().to(self.env.device)
-            out = self.engine(batch[:, :-1], labels=batch[:, 1:])
-            nll += float(out.loss) * batch[:, 1:].numel()
-            count += batch[:, 1:].numel()
+            inputs, labels = inputs_and_labels(batches.next_micro_batch().to(self.env.device))
+            out = self.engine(inputs, labels=labels)
+            scored = int((labels != -100).sum())
+            nll += float(out.loss) * scored if scored else 0.0
+            count += scored
         self.engine.train()
         nll, count = all_reduce_sum([nll, count], self.env.device)
         val_loss = nll / count
