@@ -468,3 +468,30 @@ def test_deepspeed_grad_accum_error_suggests_a_valid_global_batch(tmp_path):
     msg = str(info.value)
     assert "train.global_batch_size=12" in msg and "train.micro_batch_size × world size = 2 × 4 = 8" in msg
     assert "use train.global_batch_size=8 (or 16)" in msg
+
+
+# ---- task configs: arithmetic (addition length generalisation) and SCROLLS ---------------------------------
+
+
+def test_arith_paper_config_matches_the_paper_recipe():
+    cfg = load_run_config(str(REPO / "configs" / "arith-tape.yaml"))
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.ffn_hidden, m.vocab_size, m.pe) == (16, 1024, 16, 2048, 16, "tape")
+    assert (cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.steps, cfg.optim.lr) == (64, 512, 20000, 1e-4)
+    assert cfg.data.packing is False  # one example per sequence
+
+
+@pytest.mark.parametrize("pe", ["rope", "nope", "randpe", "fire"])
+def test_arith_twins_differ_only_in_pe_and_out_dir(pe):
+    tape = load_run_config(str(REPO / "configs" / "arith-tape.yaml")).to_dict()
+    twin = load_run_config(str(REPO / "configs" / f"arith-{pe}.yaml")).to_dict()
+    assert twin["model"]["pe"] == pe and twin["run"]["out_dir"] == f"runs/arith-{pe}"
+    for d in (tape, twin):
+        del d["model"]["pe"], d["run"]["out_dir"]
+    assert twin == tape
+
+
+def test_arith_tiny_config_fits_its_data():
+    cfg = load_run_config(str(REPO / "configs" / "arith-tiny-cpu.yaml")).resolve(1, "cpu")
+    assert cfg.model.vocab_size == 16 and cfg.data.seq_len >= 19  # 5+5 digits: 20-token examples
+    assert (cfg.deepspeed.precision, cfg.optim.schedule) == ("fp32", "constant")
