@@ -47,7 +47,9 @@ class ModelSection(ModelConfig):
         None, "Named model shape to start from (tiny, paper-155m, llama-1b, llama2-7b); other model keys override it."
     )
     init_from: str | None = option(
-        None, "Hugging Face Llama checkpoint directory to initialise the weights from (null = random init)."
+        None,
+        "Weights to start from (null = random init): a Hugging Face Llama checkpoint directory, a tapetrain "
+        "export (export-hf) or a tapetrain run directory / checkpoint directory (its newest complete checkpoint).",
     )
 
     def model_config(self) -> ModelConfig:

@@ -1,8 +1,9 @@
-"""argparse hooks for the task data commands: `tapetrain arith data`."""
+"""argparse hooks for the task data commands: `tapetrain arith data` and `tapetrain scrolls data`."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 
@@ -52,4 +53,40 @@ def add_arith_parser(subparsers) -> argparse.ArgumentParser:
     data.add_argument("--seed", type=int, default=42)
     data.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
     data.set_defaults(func=_arith_data)
+    return parser
+
+
+def _scrolls_data(args: argparse.Namespace) -> int:
+    from tapetrain.data.scrolls import write_scrolls_data
+
+    manifest = write_scrolls_data(args.task, args.input, args.tokenizer, args.out, seq_len=args.seq_len,
+                                  max_answer_tokens=args.max_answer_tokens, overwrite=args.overwrite)
+    task = manifest["task"]
+    print(_summary(manifest, args.out) + f"; {task['records']} records of {task['ids']} ids; prompts truncated in "
+          f"{task['truncated_prompts']}, answers in {task['truncated_answers']}")
+    print(json.dumps({"prompt_format": task["prompt_format"]}))
+    return 0
+
+
+def add_scrolls_parser(subparsers) -> argparse.ArgumentParser:
+    """tapetrain scrolls data --task NAME --input FILES|hf:tau/scrolls:NAME[:SPLIT] --tokenizer T --out DIR"""
+    from tapetrain.data.scrolls import TASKS
+
+    parser = subparsers.add_parser("scrolls", help="SCROLLS long-context fine-tuning data")
+    actions = parser.add_subparsers(dest="scrolls_command")
+    parser.set_defaults(func=_group_help(parser))
+    data = actions.add_parser("data", help="SCROLLS records -> supervised examples (loss on the answer only)",
+                              description="Build fine-tuning examples from SCROLLS records (id, pid, input, output; "
+                              "jsonl or parquet, or hf:tau/scrolls:NAME[:SPLIT]) with the TAPE paper's prompt "
+                              "formats and truncation.")
+    data.add_argument("--task", required=True, choices=sorted(TASKS))
+    data.add_argument("--input", nargs="+", required=True, metavar="FILES",
+                      help=".jsonl/.json/.parquet files (globs) or hf:tau/scrolls:NAME[:SPLIT] (split default train)")
+    data.add_argument("--tokenizer", required=True, metavar="T", help="sentencepiece .model of the model to tune")
+    data.add_argument("--out", required=True, metavar="DIR")
+    data.add_argument("--seq-len", type=int, default=8192, help="tokens per example, prompt + answer + EOS (8192)")
+    data.add_argument("--max-answer-tokens", type=int, default=None,
+                      help="answer budget (default: 200 for QA tasks, 1000 for summaries)")
+    data.add_argument("--overwrite", action="store_true", help="replace DIR if it exists")
+    data.set_defaults(func=_scrolls_data)
     return parser

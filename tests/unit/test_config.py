@@ -495,3 +495,19 @@ def test_arith_tiny_config_fits_its_data():
     cfg = load_run_config(str(REPO / "configs" / "arith-tiny-cpu.yaml")).resolve(1, "cpu")
     assert cfg.model.vocab_size == 16 and cfg.data.seq_len >= 19  # 5+5 digits: 20-token examples
     assert (cfg.deepspeed.precision, cfg.optim.schedule) == ("fp32", "constant")
+
+
+SCROLLS_TASKS = ["qasper", "contract_nli", "narrative_qa", "quality", "qmsum", "summ_screen_fd", "gov_report"]
+
+
+@pytest.mark.parametrize("task", SCROLLS_TASKS)
+def test_scrolls_configs_follow_the_paper_recipe(task):
+    cfg = load_run_config(str(REPO / "configs" / f"scrolls-{task}.yaml"))
+    assert (cfg.train.steps, cfg.train.global_batch_size, cfg.optim.lr, cfg.run.seed) == (1000, 64, 1e-5, 2024)
+    assert (cfg.optim.schedule, cfg.optim.warmup_for(cfg.train.steps), cfg.data.seq_len) == ("polynomial", 100, 8192)
+    assert cfg.model.init_from == "runs/paper-155m-tape" and cfg.data.train[0].path == f"data/scrolls-{task}"
+    base = load_run_config(str(REPO / "configs" / "scrolls-qasper.yaml")).to_dict()
+    this = cfg.to_dict()
+    for d in (base, this):
+        del d["data"]["train"], d["run"]["out_dir"]
+    assert this == base
