@@ -491,9 +491,24 @@ def test_arith_twins_differ_only_in_pe_and_out_dir(pe):
     assert twin == tape
 
 
-def test_arith_tiny_config_fits_its_data():
+def test_arith_tiny_config_fits_its_data(tmp_path):
+    """The data tools/arith_compare.py --scale tiny writes for this config fits its sequence length."""
+    import importlib.util
+
+    from tapetrain.data.arith import write_arith_data
+    from tapetrain.data.examples import ExampleStore
+
+    spec = importlib.util.spec_from_file_location("arith_compare", REPO / "tools" / "arith_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    args = compare.SCALES["tiny"]["data"]
+    assert compare.SCALES["tiny"]["config"] == "configs/arith-tiny-cpu.yaml"
+    max_digits = int(args[args.index("--max-digits") + 1])
+    write_arith_data(str(tmp_path / "d"), max_digits=max_digits, eval_max_digits=max_digits, train_examples=500,
+                     eval_per_cell=2, progress=False)
     cfg = load_run_config(str(REPO / "configs" / "arith-tiny-cpu.yaml")).resolve(1, "cpu")
-    assert cfg.model.vocab_size == 16 and cfg.data.seq_len >= 19  # 5+5 digits: 20-token examples
+    assert cfg.model.vocab_size == 16 and cfg.model.max_seq_len >= cfg.data.seq_len
+    assert ExampleStore(str(tmp_path / "d")).max_length <= cfg.data.seq_len  # 3+3 digits: 14 tokens
     assert (cfg.deepspeed.precision, cfg.optim.schedule) == ("fp32", "constant")
 
 
