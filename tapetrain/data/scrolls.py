@@ -14,9 +14,10 @@ An example of `seq_len` tokens at most (8192 in the paper) is
       prompt  = <s> "Context:\\n" + input + "\\n Please summarize this report:"
                 (when too long: its head, then its last T tokens, the instruction: 7184 + 7 with Llama-2's tokenizer)
       answer  = output[:max_answer tokens] </s>                        max_answer = 1000
-The loss is on the answer and its EOS only. Two deliberate differences from the official code: the answer does not
-start with a second <s> (the official code tokenized it with one), and nothing is padded here (the training
-reader pads each example to data.seq_len).
+The loss is on the answer and its EOS only. Three deliberate differences from the official code: the answer does
+not start with a second <s> (the official code tokenized it with one); a summary prompt that fits is kept whole
+(the official code always appended the last 7 tokens to the first 7184, repeating the instruction of a short
+document); and nothing is padded here (the training reader pads each example to data.seq_len).
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 Generation follows the TAPE paper's official evaluation: the prompt is built exactly as for fine-tuning
 (tapetrain.data.scrolls.PromptBuilder); QA tasks decode greedily for at most 200 new tokens; summaries sample
 (temperature 1) for at most 1000 new tokens, with top-k 3 (summ_screen_fd, qmsum) or top-p 1 with transformers'
-default top-k 50 (gov_report, where the official code passed only top_p). Decoding stops at EOS and uses the KV
-cache. Each example's sampling is seeded by (--seed, its index), so results repeat. Ids are split among ranks under
-torchrun / the deepspeed launcher and the predictions gathered. `--predictions PRED.json` ({id: text}) skips the
-model and scores the given predictions.
+default top-k 50 (gov_report, where the official code passed only top_p); earlier revisions of the official script
+decoded summaries greedily too. Decoding stops at EOS and uses the KV cache. Each example's sampling is seeded by
+(--seed, its index), so results repeat. Ids are split among ranks under torchrun / the deepspeed launcher and the
+predictions gathered. `--predictions PRED.json` ({id: text}) skips the model and scores the given predictions.
 """
 
 from __future__ import annotations
