@@ -126,3 +126,11 @@ def test_tied_embeddings_share_storage():
     model = build("rope", tie_embeddings=True)
     assert model.lm_head.weight is model.embed.weight
     assert model.num_params() == build("rope").num_params() - 512 * 64
+
+
+@pytest.mark.parametrize("pe", POSITIONAL_ENCODINGS)
+def test_every_parameter_survives_deepspeeds_byte_broadcast(pe):
+    # deepspeed.initialize broadcasts each parameter as p.data.view(torch.uint8), which fails on 0-dim tensors
+    model = build(pe)
+    for name, param in model.named_parameters():
+        assert param.dim() >= 1 and param.data.view(torch.uint8).numel() == 4 * param.numel(), name

@@ -75,8 +75,8 @@ class FireBias(nn.Module):
     def __init__(self, n_heads: int, hidden: int, init_threshold: float):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))
-        self.log_c = nn.Parameter(torch.zeros(()))
-        self.threshold = nn.Parameter(torch.tensor(float(init_threshold)))
+        self.log_c = nn.Parameter(torch.zeros(1))
+        self.threshold = nn.Parameter(torch.full((1,), float(init_threshold)))  # (1,): no 0-dim (DeepSpeed)
 
     def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """(B, T), (B, S) positions -> (B, H, T, S) bias (causal: future distances clamp to 0, then masked)."""
