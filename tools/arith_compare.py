@@ -91,7 +91,8 @@ def main() -> int:
     out = (REPO / (args.out or f"arith-compare-{args.scale}")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     data = out / "data"
-    timings: dict[str, float] = {}
+    previous = out / "summary.json"  # a resumed comparison keeps the timings of the steps it skips
+    timings: dict[str, float] = json.loads(previous.read_text())["seconds"] if previous.exists() else {}
     data_args = args.data_args.split() if args.data_args else scale["data"]
     if not (data / "manifest.json").exists():
         run("arith data", [*tapetrain().split(), "arith", "data", "--out", str(data), *data_args], timings)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +14,8 @@ from tapetrain.eval.arith_plots import accuracy_grid, plot_heatmaps
 from tapetrain.eval.decoding import Continuation, generate
 from tapetrain.eval.models import EvalModel
 from tapetrain.model import ModelConfig, Transformer
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def digits(text: str) -> list[int]:
@@ -82,3 +86,17 @@ def test_heatmap_png(tmp_path):
     assert grid.shape == (3, 3) and grid[2, 0] == pytest.approx(100 * 4 / 6)
     plot_heatmaps([report, report], str(tmp_path / "h.png"), labels=["TAPE", "RoPE"])
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_arith_compare_table_has_one_row_per_pe_and_the_papers_column_at_paper_scale():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("arith_compare", REPO / "tools" / "arith_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    reports = {"tape": {"mean_in_distribution": 0.98444, "mean_out_of_distribution": 0.0, "mean_all": 0.24611},
+               "fire": {"mean_in_distribution": 0.5, "mean_out_of_distribution": None, "mean_all": 0.125}}
+    tiny = compare.table(reports, "tiny").splitlines()
+    assert tiny[2:] == ["| TAPE | 98.44 | 0.00 | 24.61 |", "| FIRE | 50.00 | n/a | 12.50 |"]
+    paper = compare.table(reports, "paper").splitlines()
+    assert paper[0].endswith("| paper (whole 2x grid) |") and paper[2].endswith("| 24.61 | 32.82 |")
