@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from harness import REPO, env, run
+from harness import REPO, env, run, write_config
 
 from tapetrain.checkpoint.hf_export import export_hf
 from tapetrain.checkpoint.init_source import copy_init_weights, init_model_config
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 
 CLI = [sys.executable, "-m", "tapetrain.cli"]
 SEQ = ["--seq-len", "64", "--max-answer-tokens", "8"]
+FIXTURES = REPO / "tests" / "fixtures" / "scrolls"
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -62,6 +63,30 @@ def test_synthetic_scrolls_data_train_fine_tune_eval(tmp_path):
     two = json.loads((tmp_path / "two.json").read_text())
     assert two["world_size"] == 2 and two["predictions"] == report["predictions"]
     assert two["scores"] == report["scores"]
+
+
+def test_fixture_summaries_data_fine_tune_eval(tmp_path):
+    """The summary path on the local fixture records: a tokenizer trained on them, `scrolls data` (head + tail
+    truncation), a few DeepSpeed steps, then `eval-scrolls` sampling summaries and scoring them with ROUGE."""
+    tok, data, run_dir = tmp_path / "tok.model", tmp_path / "gov", tmp_path / "run"
+    run([*CLI, "tokenizer", "train", "--input", str(FIXTURES / "*.jsonl"), "--text-key", "input", "--vocab-size",
+         "320", "--out", str(tok)])
+    fixture = str(FIXTURES / "gov_report.jsonl")
+    sizes = ["--seq-len", "64", "--max-answer-tokens", "16"]
+    run([*CLI, "scrolls", "data", "--task", "gov_report", "--input", fixture, "--tokenizer", str(tok),
+         "--out", str(data), *sizes])
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["task"]["records"] == 3 and manifest["task"]["truncated_prompts"] > 0
+    config = write_config(tmp_path / "c.yaml", data, run_dir, model={"vocab_size": 320},
+                          train={"steps": 3, "global_batch_size": 4, "save_interval": 3})
+    run([*CLI, "train", str(config)])
+    out = tmp_path / "gov.json"
+    run([*CLI, "eval-scrolls", str(run_dir), "--task", "gov_report", "--data", fixture, "--out", str(out), *sizes])
+    report = json.loads(out.read_text())
+    assert report["generation"]["greedy"] is False and report["generation"]["max_new_tokens"] == 16
+    assert report["num_predicted"] == len(report["predictions"]) == 2  # 3 records, 2 ids
+    scores = report["scores"]
+    assert scores["scrolls_score_key"] == "rouge/geometric_mean" and {"rouge/rouge1", "rouge/rouge2"} <= set(scores)
 
 
 def test_init_from_a_run_directory_and_an_export(tmp_path):
