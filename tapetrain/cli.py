@@ -22,7 +22,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tapetrain", description=__doc__)
     subparsers = parser.add_subparsers(dest="command", required=True)
     from tapetrain.data.cli import add_prepare_parser, add_tokenizer_parser, add_verify_parser
+    from tapetrain.data.task_cli import add_arith_parser, add_scrolls_parser
     from tapetrain.eval.cli import add_eval_passkey_parser, add_eval_ppl_parser, add_export_parser
+    from tapetrain.eval.task_cli import add_eval_arith_parser, add_eval_scrolls_parser
 
     add_tokenizer_parser(subparsers)
     add_prepare_parser(subparsers)
@@ -31,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(subparsers)
     add_eval_ppl_parser(subparsers)
     add_eval_passkey_parser(subparsers)
+    add_arith_parser(subparsers)
+    add_eval_arith_parser(subparsers)
+    add_scrolls_parser(subparsers)
+    add_eval_scrolls_parser(subparsers)
     return parser
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -46,9 +46,9 @@ def _rope_settings(hf: dict) -> tuple[float, float]:
 def config_from_hf(hf: dict, pe: str = "rope", **model_overrides) -> ModelConfig:
     """A ModelConfig for a Hugging Face Llama config.json dict; `model_overrides` are ModelConfig fields."""
     model_type = hf.get("model_type")
-    if model_type != "llama":
+    if model_type not in ("llama", "tapetrain"):
         raise ValueError(f"config.json has model_type={model_type!r}; only Llama checkpoints (model_type 'llama') "
-                         "can be imported")
+                         "and tapetrain exports (model_type 'tapetrain') can be imported")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
             raise ValueError(f"config.json {key}={hf[key]!r} is not supported (tapetrain's decoder has {key}={ok!r})")
@@ -58,7 +58,10 @@ def config_from_hf(hf: dict, pe: str = "rope", **model_overrides) -> ModelConfig
         raise ValueError(f"config.json head_dim={head_dim} with {heads} heads != hidden_size={hf['hidden_size']}; "
                          "tapetrain needs head_dim = hidden_size / num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
-    theta, pi_factor = _rope_settings(hf)
+    if model_type == "tapetrain":  # our own remote-code export (export-hf of a non-RoPE model)
+        theta, pi_factor = float(hf.get("rope_theta", 10000.0)), float(hf.get("pi_factor", 1.0))
+    else:
+        theta, pi_factor = _rope_settings(hf)
     values = dict(
         vocab_size=hf["vocab_size"],
         d_model=hf["hidden_size"],
@@ -132,15 +135,24 @@ def copy_hf_weights(
     unexpected or mis-shaped tensors are one error that lists them; TAPE/FIRE parameters are new and keep their
     init (zero W_A and W_down: the retrofitted model computes what the Llama model computes).
     """
+    return copy_named_weights(model, iter_weights(find_weight_files(hf_dir), progress=progress), hf_dir, copy)
+
+
+def copy_named_weights(
+    model: Transformer,
+    named: Iterable[tuple[str, torch.Tensor]],
+    source: str,
+    copy: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
+) -> int:
+    """copy_hf_weights' work on (Hugging Face name, tensor) pairs from any source (named in errors as `source`)."""
     cfg = model.cfg
     params = dict(model.named_parameters(remove_duplicate=False))
     copy = copy or (lambda param, tensor: param.copy_(tensor))
     loaded: set[str] = set()
     unexpected: list[str] = []
     shape_errors: list[str] = []
-    files = find_weight_files(hf_dir)
     with torch.no_grad():
-        for hf_name, tensor in iter_weights(files, progress=progress):
+        for hf_name, tensor in named:
             if IGNORED_HF_KEYS.match(hf_name):
                 continue
             name = from_hf_key(hf_name)
@@ -166,10 +178,10 @@ def copy_hf_weights(
             problems.append(f"unexpected (no tapetrain parameter): {', '.join(sorted(unexpected))}")
         if shape_errors:
             problems.append(f"shape mismatch: {'; '.join(shape_errors)}")
-        raise ValueError(f"cannot load {hf_dir} into a tapetrain {cfg.pe} model: " + " | ".join(problems)
-                         + "; check that config.json matches the weights (a Llama-architecture checkpoint)")
+        raise ValueError(f"cannot load {source} into a tapetrain {cfg.pe} model: " + " | ".join(problems)
+                         + "; check that the checkpoint's config matches its weights and that model.pe suits it")
     log.info("loaded %s into a %s model (%d tensors; %d new positional parameters keep their init)",
-             hf_dir, cfg.pe, len(loaded), len([n for n in params if n not in loaded]))
+             source, cfg.pe, len(loaded), len([n for n in params if n not in loaded]))
     return len(loaded)
 
 

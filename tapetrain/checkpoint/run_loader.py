@@ -165,17 +165,33 @@ def load_run_model(
     checkpoint directory given). `attn_backend` replaces the trained one ("flash"/"triton" may not exist here;
     None keeps it). info: run_dir, checkpoint, step, trainer_state, model_config, run_config, tokenizer, source,
     lora_merged."""
-    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step)
-    run_config = _read_run_config(run_dir, ckpt)
-    cfg = _model_config(ckpt, run_config)
-    trained_config = cfg.to_dict()
+    cfg, state, info = read_run_state(run_dir_or_ckpt, step)
     if attn_backend is not None:
         cfg.attn_backend = attn_backend
     cfg.activation_checkpointing = False
     if cfg.loss_backend == "liger":
         cfg.loss_backend = "auto"  # liger-kernel (CUDA only) may not be installed here; auto picks it where it is
     model = Transformer(cfg)
-    expected = set(model.state_dict())
+    model.load_state_dict(state, strict=False)
+    log.info("loaded %s (step %s, %s weights%s)", info["checkpoint"], info["step"], info["source"],
+             f", {info['lora_merged']} LoRA pairs merged" if info["lora_merged"] else "")
+    return model.eval(), info
+
+
+def read_run_model_config(run_dir_or_ckpt: str, step: int | None = None) -> ModelConfig:
+    """The trained ModelConfig of a run's newest complete checkpoint (or `step`), without reading weights."""
+    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step)
+    return _model_config(ckpt, _read_run_config(run_dir, ckpt))
+
+
+def read_run_state(run_dir_or_ckpt: str, step: int | None = None) -> tuple[ModelConfig, dict, dict]:
+    """(trained ModelConfig, fp32 state dict with tapetrain names and LoRA merged, info) of a run's newest complete
+    checkpoint (or `step`, or the checkpoint directory given), without building the model."""
+    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step)
+    run_config = _read_run_config(run_dir, ckpt)
+    cfg = _model_config(ckpt, run_config)
+    with torch.device("meta"):
+        expected = set(Transformer(cfg).state_dict())
     state, source = read_deepspeed_weights(ckpt)
     state = strip_wrapper_prefixes(state, expected)
     lora = ((run_config or {}).get("train") or {}).get("lora") or {}
@@ -187,22 +203,19 @@ def load_run_model(
         raise ValueError(f"checkpoint {ckpt} does not match its model config ({cfg.pe}, {cfg.n_layers} layers): "
                          f"missing {missing or 'none'}, unexpected {unexpected or 'none'}; the checkpoint and "
                          "model_config.json come from different runs or code versions")
-    model.load_state_dict(state, strict=False)
     trainer_state = json.loads((ckpt / STATE_FILE).read_text())
     info = {
         "run_dir": str(run_dir) if run_dir is not None else None,
         "checkpoint": str(ckpt),
         "step": trainer_state.get("step"),
         "trainer_state": trainer_state,
-        "model_config": trained_config,
+        "model_config": cfg.to_dict(),
         "run_config": run_config,
         "tokenizer": _tokenizer_path(run_config, run_dir),
         "source": source,
         "lora_merged": merged,
     }
-    log.info("loaded %s (step %s, %s weights%s)", ckpt, info["step"], source,
-             f", {merged} LoRA pairs merged" if merged else "")
-    return model.eval(), info
+    return cfg, state, info
 
 
 def is_run_or_checkpoint(path: str) -> bool:

@@ -48,7 +48,9 @@ class ModelSection(ModelConfig):
         None, "Named model shape to start from (tiny, paper-155m, llama-1b, llama2-7b); other model keys override it."
     )
     init_from: str | None = option(
-        None, "Hugging Face Llama checkpoint directory to initialise the weights from (null = random init)."
+        None,
+        "Weights to start from (null = random init): a Hugging Face Llama checkpoint directory, a tapetrain "
+        "export (export-hf) or a tapetrain run directory / checkpoint directory (its newest complete checkpoint).",
     )
 
     def model_config(self) -> ModelConfig:
@@ -104,6 +106,12 @@ class DataSection:
         False,
         "Before training, check every shard's sha256 and token ids against its manifest (reads all data once, on "
         "rank 0; the same as `tapetrain verify DIR`).",
+    )
+    packing: bool = option(
+        False,
+        "Supervised example data (tapetrain arith data / scrolls data): pack consecutive examples into each "
+        "sequence instead of padding every example to seq_len; the loss stays on the answers only, but attention "
+        "spans the packed examples.",
     )
 
     @staticmethod

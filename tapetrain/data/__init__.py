@@ -12,9 +12,12 @@ from tapetrain.data.errors import DataError
 
 _EXPORTS = {
     "BatchIterator": "tapetrain.data.batches",
+    "ExampleBatch": "tapetrain.data.supervised",
+    "ExampleStore": "tapetrain.data.examples",
     "FlatTokenFile": "tapetrain.data.flat_tokens",
     "MixedDataset": "tapetrain.data.mixture",
     "PackedDataset": "tapetrain.data.packed",
+    "SupervisedDataset": "tapetrain.data.supervised",
     "Tokenizer": "tapetrain.data.tokenizer",
     "open_dataset": "tapetrain.data.stream",
     "train_tokenizer": "tapetrain.data.tokenizer",

@@ -27,6 +27,14 @@ def _positive(name: str, value: int) -> int:
     return int(value)
 
 
+def read_batch(dataset: Any, indices: np.ndarray) -> Any:
+    """The batch of these dataset indices: (len(indices), seq_len + 1) int64 token windows, or what the dataset's
+    `collate` makes of its samples (an ExampleBatch for supervised examples)."""
+    samples = [dataset[int(i)] for i in indices]
+    collate = getattr(dataset, "collate", None)
+    return collate(samples) if collate is not None else torch.from_numpy(np.stack(samples))
+
+
 class BatchIterator:
     """Deterministic shuffled global sample order, sliced per data-parallel rank."""
 
@@ -82,6 +90,10 @@ class BatchIterator:
         first = self.consumed_samples + steps * self.global_batch_size + (micro * self.world_size + self.rank) * mb
         return self._order(np.arange(first, first + mb, dtype=np.int64))
 
+    def read(self, indices: np.ndarray) -> Any:
+        """The micro batch of these dataset indices (see `read_batch`)."""
+        return read_batch(self.dataset, indices)
+
     def advance(self) -> None:
         """Move past one micro step (what next_micro_batch does after reading)."""
         self._micro_step += 1
@@ -89,16 +101,16 @@ class BatchIterator:
             self._micro_step = 0
             self.consumed_samples += self.global_batch_size
 
-    def next_micro_batch(self) -> torch.Tensor:
-        """(micro_batch_size, seq_len + 1) int64; after grad_accum_steps calls the step is complete."""
-        batch = np.stack([self.dataset[int(i)] for i in self.micro_batch_indices()])
+    def next_micro_batch(self) -> Any:
+        """The next micro batch (see `read`); after grad_accum_steps calls the step is complete."""
+        batch = self.read(self.micro_batch_indices())
         self.advance()
-        return torch.from_numpy(batch)
+        return batch
 
     def __iter__(self) -> BatchIterator:
         return self
 
-    def __next__(self) -> torch.Tensor:
+    def __next__(self) -> Any:
         return self.next_micro_batch()
 
     def state_dict(self) -> dict[str, Any]:

@@ -44,6 +44,7 @@ class MixedDataset:
                     "tokenizer"
                 )
         self.seq_len, self.vocab_size = first.seq_len, first.vocab_size
+        self.collate = getattr(first, "collate", None)  # supervised examples batch through their own collate
         quotas = np.maximum(1, np.rint(weights / weights.sum() * WEIGHT_RESOLUTION)).astype(np.int64)
         quotas //= np.gcd.reduce(quotas)
         self.quotas = quotas

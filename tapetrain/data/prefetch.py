@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
-import torch
 
 from tapetrain.data.batches import BatchIterator
 
@@ -30,8 +30,8 @@ class PrefetchingBatches:
     def __getattr__(self, name):  # grad_accum_steps, epoch, num_samples, consumed_samples, ...
         return getattr(self.batches, name)
 
-    def _read(self, indices: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.stack([self.batches.dataset[int(i)] for i in indices]))
+    def _read(self, indices: np.ndarray) -> Any:
+        return self.batches.read(indices)
 
     def _fill(self) -> None:
         b = self.batches
@@ -40,7 +40,7 @@ class PrefetchingBatches:
             key = (b.consumed_samples, b._micro_step, k)
             self._ahead.append((key, self._pool.submit(self._read, b.indices_ahead(k))))
 
-    def next_micro_batch(self) -> torch.Tensor:
+    def next_micro_batch(self) -> Any:
         b = self.batches
         if self._ahead and self._ahead[0][0][:2] != (b.consumed_samples, b._micro_step):
             self._drop()  # the position moved (load_state_dict): what was read ahead is stale

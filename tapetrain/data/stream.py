@@ -5,6 +5,7 @@
     it = BatchIterator(ds, global_batch_size=256, micro_batch_size=4, rank=r, world_size=w, seed=0)
     x = it.next_micro_batch()          # (4, 2049) int64: inputs x[:, :-1], labels x[:, 1:]
     val = open_dataset("data/tok", 2048, split="val")
+    ds = open_dataset("data/arith", 64)        # an example store (tapetrain arith/scrolls data): SupervisedDataset
 """
 
 from __future__ import annotations
@@ -14,10 +15,20 @@ from typing import Any
 
 from tapetrain.data.batches import BatchIterator
 from tapetrain.data.errors import DataError
+from tapetrain.data.examples import is_example_dir
 from tapetrain.data.mixture import MixedDataset
 from tapetrain.data.packed import PackedDataset
+from tapetrain.data.supervised import SupervisedDataset
 
-__all__ = ["BatchIterator", "MixedDataset", "PackedDataset", "open_dataset"]
+__all__ = ["BatchIterator", "MixedDataset", "PackedDataset", "SupervisedDataset", "open_dataset"]
+
+
+def _open_one(path: str, seq_len: int, split: str, expected_vocab_size: int | None,
+              packing: bool) -> PackedDataset | SupervisedDataset:
+    """Token shards (tapetrain prepare) or an example store (tapetrain arith data / scrolls data)."""
+    if is_example_dir(path):
+        return SupervisedDataset(path, seq_len, split, expected_vocab_size, packing)
+    return PackedDataset(path, seq_len, split=split, expected_vocab_size=expected_vocab_size)
 
 
 def open_dataset(
@@ -26,10 +37,12 @@ def open_dataset(
     split: str = "train",
     expected_vocab_size: int | None = None,
     seed: int = 0,
-) -> PackedDataset | MixedDataset:
-    """spec: a path (str) or a list of {'path': str, 'weight': float} dicts -> PackedDataset/MixedDataset."""
+    packing: bool = False,
+) -> PackedDataset | SupervisedDataset | MixedDataset:
+    """spec: a path (str) or a list of {'path': str, 'weight': float} dicts -> PackedDataset/SupervisedDataset
+    or a MixedDataset of them; `packing` applies to example stores only."""
     if isinstance(spec, (str, os.PathLike)):
-        return PackedDataset(os.fspath(spec), seq_len, split=split, expected_vocab_size=expected_vocab_size)
+        return _open_one(os.fspath(spec), seq_len, split, expected_vocab_size, packing)
     if not isinstance(spec, (list, tuple)) or not spec:
         raise DataError(f"data spec {spec!r} must be a path or a non-empty list of "
                         "{'path': ..., 'weight': ...} dicts")
@@ -41,7 +54,9 @@ def open_dataset(
         unknown = set(entry) - {"path", "weight"}
         if unknown:
             raise DataError(f"data spec entry {i} has unknown keys {sorted(unknown)}; allowed: path, weight")
-        ds = PackedDataset(os.fspath(entry["path"]), seq_len, split=split,
-                           expected_vocab_size=expected_vocab_size)
+        ds = _open_one(os.fspath(entry["path"]), seq_len, split, expected_vocab_size, packing)
         sources.append((ds, entry["weight"]))
+    if len({isinstance(ds, SupervisedDataset) for ds, _ in sources}) > 1:
+        raise DataError("data spec mixes token shards and example stores; train on one kind at a time (language "
+                        "modelling shards or supervised examples)")
     return MixedDataset(sources, seed=seed)

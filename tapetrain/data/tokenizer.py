@@ -52,6 +52,10 @@ class Tokenizer:
     def eos_id(self) -> int:
         return self._sp.eos_id()
 
+    @property
+    def pad_id(self) -> int:
+        return self._sp.pad_id()  # -1 when the model has none (Llama-2's and ours)
+
     def encode(self, text: str) -> list[int]:
         return self._sp.Encode(text, out_type=int)
 

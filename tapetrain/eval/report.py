@@ -73,6 +73,11 @@ def _save_figure(fig, out_png: str) -> None:
             os.remove(tmp)
 
 
+def save_figure(fig, out_png: str) -> None:
+    """Save a matplotlib figure as PNG atomically (temp file + rename)."""
+    _save_figure(fig, out_png)
+
+
 def _line_plot(reports: list[dict], key: str, ylabel: str, title: str, out_png: str, log_y: bool) -> None:
     import matplotlib
 

@@ -20,8 +20,9 @@ class FireBias(nn.Module):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))
         self.init_c, self.init_threshold, self.eps = init_c, init_threshold, eps
-        self.c = nn.Parameter(torch.tensor(float(init_c)))
-        self.threshold_scale = nn.Parameter(torch.tensor(1.0))  # the multiplier m; L = |m · L₀|
+        # (1,), not 0-dim: deepspeed.initialize broadcasts every parameter as a byte view, which 0-dim tensors refuse
+        self.c = nn.Parameter(torch.full((1,), float(init_c)))
+        self.threshold_scale = nn.Parameter(torch.ones(1))  # the multiplier m; L = |m · L₀|
 
     def reset_scalars(self) -> None:
         """c and m back to their inits (the MLP's Linear layers are initialised like every other Linear)."""

@@ -98,10 +98,12 @@ def check_before_start(cfg, env: DistEnv, model_config: ModelConfig) -> StartChe
         if not cfg.data.train:
             raise ConfigError("data.train is empty; point it at a directory written by `tapetrain prepare`")
         seq_len, vocab = cfg.data.seq_len, model_config.vocab_size
-        train = open_dataset(_data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=vocab, seed=cfg.run.seed)
+        train = open_dataset(_data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=vocab, seed=cfg.run.seed,
+                             packing=cfg.data.packing)
         val = None
         if cfg.data.val:
-            val = open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=vocab)
+            val = open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=vocab,
+                               packing=cfg.data.packing)
         paths = [s.path for s in [*cfg.data.train, *cfg.data.val]]
         sha = common_tokenizer(paths, cfg.data.tokenizer)
         if checkpoint:
@@ -196,6 +198,17 @@ def _discard_universal(universal: Path, env: DistEnv) -> None:
         shutil.rmtree(universal.parent, ignore_errors=True)
 
 
+def _with_example_tokenizer(cfg):
+    """data.tokenizer defaults to the tokenizer.model inside an example store (arith/scrolls data), so the run's
+    config.yaml names it and export-hf / the eval tools decode without being told."""
+    from tapetrain.data.examples import tokenizer_of
+
+    if cfg.data.tokenizer or not cfg.data.train:
+        return cfg
+    tokenizer = tokenizer_of(cfg.data.train[0].path)
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer)) if tokenizer else cfg
+
+
 def resolve_model_config_agreed(cfg, env: DistEnv) -> ModelConfig:
     """resolve_model_config on every rank, collectively: a missing init_from checkpoint is one clean message."""
     found: dict = {}
@@ -232,6 +245,7 @@ def build_components(cfg, env: DistEnv, clock=None) -> Components:
     if cfg.model.init_from:  # the resolved config.yaml records the checkpoint's shape
         shape = {k: getattr(model_config, k) for k in CHECKPOINT_SHAPE_FIELDS}
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
+    cfg = _with_example_tokenizer(cfg)
     ds_config = build_deepspeed_config(cfg, env.world_size)
     start = check_before_start(cfg, env, model_config)
     checkpoint, state = start.checkpoint, start.state

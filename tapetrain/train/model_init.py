@@ -1,4 +1,5 @@
-"""Build the model for a run: from scratch, or from a Hugging Face Llama checkpoint (`model.init_from`).
+"""Build the model for a run: from scratch, or from `model.init_from`: a Hugging Face Llama checkpoint, a tapetrain
+export (export-hf) or a tapetrain run directory / checkpoint (tapetrain.checkpoint.init_source).
 
 For a checkpoint the model never exists in fp32 on the host:
   ZeRO-3     constructed under deepspeed.zero.Init, so each rank holds 1/N of every parameter; modules are
@@ -40,9 +41,9 @@ def resolve_model_config(cfg) -> ModelConfig:
     model_config = cfg.model.model_config()
     if not cfg.model.init_from:
         return model_config
-    from tapetrain.checkpoint.hf_import import config_from_hf, read_hf_config
+    from tapetrain.checkpoint.init_source import init_model_config
 
-    hf = config_from_hf(read_hf_config(cfg.model.init_from), cfg.model.pe)
+    hf = init_model_config(cfg.model.init_from, cfg.model.pe)
     changed = {
         key: (getattr(model_config, key), getattr(hf, key))
         for key in CHECKPOINT_SHAPE_FIELDS
@@ -61,7 +62,7 @@ def build_model(cfg, model_config: ModelConfig, env: DistEnv, ds_config: dict) -
     torch.manual_seed(cfg.run.seed)  # the same init on every rank
     if not cfg.model.init_from:
         return Transformer(model_config)
-    from tapetrain.checkpoint.hf_import import copy_hf_weights
+    from tapetrain.checkpoint.init_source import copy_init_weights
 
     if cfg.deepspeed.zero_stage == 3 and not model_config.tie_embeddings:
         import deepspeed
@@ -82,7 +83,7 @@ def build_model(cfg, model_config: ModelConfig, env: DistEnv, ds_config: dict) -
                 if env.is_main:
                     param.data.copy_(tensor.to(param.dtype))
 
-        copy_hf_weights(model, cfg.model.init_from, gathered_copy, progress=env.is_main)
+        copy_init_weights(model, cfg.model.init_from, gathered_copy, progress=env.is_main)
         return model
     with torch.device("meta"):
         model = Transformer(model_config)
@@ -90,5 +91,5 @@ def build_model(cfg, model_config: ModelConfig, env: DistEnv, ds_config: dict) -
     if model_config.tie_embeddings:
         model.lm_head.weight = model.embed.weight  # to_empty gives each reference its own storage
     model.reset_parameters()
-    copy_hf_weights(model, cfg.model.init_from, progress=env.is_main)
+    copy_init_weights(model, cfg.model.init_from, progress=env.is_main)
     return model

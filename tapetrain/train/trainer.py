@@ -10,10 +10,11 @@ import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from tapetrain.checkpoint import disk, store
+from tapetrain.data.batches import read_batch
+from tapetrain.data.supervised import inputs_and_labels
 from tapetrain.errors import DiskSpaceError, RunError
 from tapetrain.train.collective import agree
 from tapetrain.train.distributed import DistEnv, all_reduce_sum, barrier
@@ -112,7 +113,8 @@ class Trainer:
             wait_start = time.perf_counter()
             batch = batches.next_micro_batch().to(device, non_blocking=True)  # (b, seq_len + 1)
             data_wait += time.perf_counter() - wait_start
-            out = engine(batch[:, :-1], labels=batch[:, 1:], position_offset=offset)
+            inputs, labels = inputs_and_labels(batch)  # supervised examples: labels -100 outside the answers
+            out = engine(inputs, labels=labels, position_offset=offset)
             loss = out.loss.detach()
             finite = torch.isfinite(loss)
             loss_sum += torch.where(finite, loss, torch.zeros_like(loss)).double()
@@ -201,10 +203,11 @@ class Trainer:
         bar = tqdm(batches, desc=f"validation @ step {self.step}", unit="batch", disable=not self.env.is_main,
                    mininterval=1.0, dynamic_ncols=True)
         for indices, weight in bar:
-            batch = torch.from_numpy(np.stack([dataset[int(i)] for i in indices])).to(self.env.device)
-            out = self.engine(batch[:, :-1], labels=batch[:, 1:])  # (b, seq_len + 1) -> mean loss of b·seq_len
-            nll += weight * float(out.loss) * batch[:, 1:].numel()
-            count += weight * batch[:, 1:].numel()
+            inputs, labels = inputs_and_labels(read_batch(dataset, indices).to(self.env.device))
+            out = self.engine(inputs, labels=labels)  # mean loss over the scored (label != -100) tokens
+            scored = int((labels != -100).sum())
+            nll += weight * float(out.loss) * scored if scored else 0.0
+            count += weight * scored
         self.engine.train()
         nll, count = all_reduce_sum([nll, count], self.env.device)
         val_loss = nll / count

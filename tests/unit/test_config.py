@@ -472,3 +472,61 @@ def test_deepspeed_grad_accum_error_suggests_a_valid_global_batch(tmp_path):
     msg = str(info.value)
     assert "train.global_batch_size=12" in msg and "train.micro_batch_size × world size = 2 × 4 = 8" in msg
     assert "use train.global_batch_size=8 (or 16)" in msg
+
+
+# ---- task configs: arithmetic (addition length generalisation) and SCROLLS ---------------------------------
+
+
+def test_arith_paper_config_matches_the_paper_recipe():
+    cfg = load_run_config(str(REPO / "configs" / "arith-tape.yaml"))
+    m = cfg.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.ffn_hidden, m.vocab_size, m.pe) == (16, 1024, 16, 2048, 16, "tape")
+    assert (cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.steps, cfg.optim.lr) == (64, 512, 20000, 1e-4)
+    assert cfg.data.packing is False  # one example per sequence
+
+
+@pytest.mark.parametrize("pe", ["rope", "nope", "randpe", "fire"])
+def test_arith_twins_differ_only_in_pe_and_out_dir(pe):
+    tape = load_run_config(str(REPO / "configs" / "arith-tape.yaml")).to_dict()
+    twin = load_run_config(str(REPO / "configs" / f"arith-{pe}.yaml")).to_dict()
+    assert twin["model"]["pe"] == pe and twin["run"]["out_dir"] == f"runs/arith-{pe}"
+    for d in (tape, twin):
+        del d["model"]["pe"], d["run"]["out_dir"]
+    assert twin == tape
+
+
+def test_arith_tiny_config_fits_its_data(tmp_path):
+    """The data tools/arith_compare.py --scale tiny writes for this config fits its sequence length."""
+    import importlib.util
+
+    from tapetrain.data.arith import write_arith_data
+    from tapetrain.data.examples import ExampleStore
+
+    spec = importlib.util.spec_from_file_location("arith_compare", REPO / "tools" / "arith_compare.py")
+    compare = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(compare)
+    args = compare.SCALES["tiny"]["data"]
+    assert compare.SCALES["tiny"]["config"] == "configs/arith-tiny-cpu.yaml"
+    max_digits = int(args[args.index("--max-digits") + 1])
+    write_arith_data(str(tmp_path / "d"), max_digits=max_digits, eval_max_digits=max_digits, train_examples=500,
+                     eval_per_cell=2, progress=False)
+    cfg = load_run_config(str(REPO / "configs" / "arith-tiny-cpu.yaml")).resolve(1, "cpu")
+    assert cfg.model.vocab_size == 16 and cfg.model.max_seq_len >= cfg.data.seq_len
+    assert ExampleStore(str(tmp_path / "d")).max_length <= cfg.data.seq_len  # 3+3 digits: 14 tokens
+    assert (cfg.deepspeed.precision, cfg.optim.schedule) == ("fp32", "constant")
+
+
+SCROLLS_TASKS = ["qasper", "contract_nli", "narrative_qa", "quality", "qmsum", "summ_screen_fd", "gov_report"]
+
+
+@pytest.mark.parametrize("task", SCROLLS_TASKS)
+def test_scrolls_configs_follow_the_paper_recipe(task):
+    cfg = load_run_config(str(REPO / "configs" / f"scrolls-{task}.yaml"))
+    assert (cfg.train.steps, cfg.train.global_batch_size, cfg.optim.lr, cfg.run.seed) == (1000, 64, 1e-5, 2024)
+    assert (cfg.optim.schedule, cfg.optim.warmup_for(cfg.train.steps), cfg.data.seq_len) == ("polynomial", 100, 8192)
+    assert cfg.model.init_from == "runs/paper-155m-tape" and cfg.data.train[0].path == f"data/scrolls-{task}"
+    base = load_run_config(str(REPO / "configs" / "scrolls-qasper.yaml")).to_dict()
+    this = cfg.to_dict()
+    for d in (base, this):
+        del d["data"]["train"], d["run"]["out_dir"]
+    assert this == base

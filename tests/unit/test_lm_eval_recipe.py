@@ -74,7 +74,11 @@ def test_lm_eval_harness_scores_our_export(tmp_path):
     cmd = [lm_eval, "--model", "hf", "--model_args", f"pretrained={tmp_path / 'hf'},trust_remote_code=True",
            "--tasks", "tapetrain_smoke", "--include_path", str(tmp_path / "tasks"), "--device", "cpu",
            "--batch_size", "1", "--output_path", str(tmp_path / "out"), "--log_samples"]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # A fresh process as a user runs it: not the rank variables other in-process tests leave in os.environ
+    # (with them, accelerate would try to join this test process's process group).
+    rank_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in rank_vars}
+    env.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 

@@ -142,3 +142,11 @@ def test_forward_reads_nothing_back_from_a_non_cpu_device(pe):
         ids = torch.zeros(2, 16, dtype=torch.long)
         out = model(ids, labels=ids)
     assert out.loss.shape == () and out.loss.device.type == "meta"
+
+
+@pytest.mark.parametrize("pe", POSITIONAL_ENCODINGS)
+def test_every_parameter_survives_deepspeeds_byte_broadcast(pe):
+    # deepspeed.initialize broadcasts each parameter as p.data.view(torch.uint8), which fails on 0-dim tensors
+    model = build(pe)
+    for name, param in model.named_parameters():
+        assert param.dim() >= 1 and param.data.view(torch.uint8).numel() == 4 * param.numel(), name

@@ -81,8 +81,8 @@ class FireBias(nn.Module):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))
         self.init_c, self.init_threshold, self.eps = init_c, init_threshold, eps
-        self.c = nn.Parameter(torch.tensor(float(init_c)))
-        self.threshold_scale = nn.Parameter(torch.tensor(1.0))
+        self.c = nn.Parameter(torch.full((1,), float(init_c)))  # (1,) like tapetrain's (DeepSpeed needs >= 1 dim)
+        self.threshold_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """(B, T), (B, S) positions -> (B, H, T, S) bias (the future half is causally masked later)."""

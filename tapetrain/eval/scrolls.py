@@ -1,0 +1,142 @@
+"""`tapetrain eval-scrolls`: generate answers for a SCROLLS split and score them with SCROLLS' metrics.
+
+Generation follows the TAPE paper's official evaluation: the prompt is built exactly as for fine-tuning
+(tapetrain.data.scrolls.PromptBuilder); QA tasks decode greedily for at most 200 new tokens; summaries sample
+(temperature 1) for at most 1000 new tokens, with top-k 3 (summ_screen_fd, qmsum) or top-p 1 with transformers'
+default top-k 50 (gov_report, where the official code passed only top_p); earlier revisions of the official script
+decoded summaries greedily too. Decoding stops at EOS and uses the KV cache. Each example's sampling is seeded by
+(--seed, its index), so results repeat. Ids are split among ranks under torchrun / the deepspeed launcher and the
+predictions gathered. `--predictions PRED.json` ({id: text}) skips the model and scores the given predictions.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+from tqdm import tqdm
+
+from tapetrain.data.scrolls import TASKS, PromptBuilder, iter_records, references_by_id
+from tapetrain.eval.decoding import GREEDY, Sampling, generate
+from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
+from tapetrain.eval.models import EvalModel, load_eval_model
+from tapetrain.eval.report import write_json_atomic
+from tapetrain.eval.scrolls_metrics import TASK_METRIC, score
+
+log = logging.getLogger("tapetrain.eval")
+
+SAMPLING = {
+    "gov_report": Sampling(temperature=1.0, top_k=50, top_p=1.0),
+    "summ_screen_fd": Sampling(temperature=1.0, top_k=3),
+    "qmsum": Sampling(temperature=1.0, top_k=3),
+}
+
+
+def sampling_for(task: str) -> Sampling:
+    return SAMPLING.get(task, GREEDY)
+
+
+def generate_predictions(model: EvalModel, tokenizer, task: str, inputs: dict[str, str], *, seq_len: int = 8192,
+                         max_answer_tokens: int | None = None, seed: int = 0,
+                         ranks: EvalRanks | None = None) -> dict[str, str]:
+    """{id: generated text} for this rank's share of `inputs` (ids in order, every world_size-th one)."""
+    ranks = ranks or EvalRanks()
+    builder = PromptBuilder(task, tokenizer, seq_len, max_answer_tokens)
+    sampling = sampling_for(task)
+    ids = list(inputs)
+    mine = list(range(ranks.rank, len(ids), ranks.world_size))
+    out: dict[str, str] = {}
+    new_tokens, start = 0, time.perf_counter()
+    bar = tqdm(mine, desc=f"eval-scrolls {task}", unit="example", disable=not ranks.is_main, dynamic_ncols=True)
+    for index in bar:
+        prompt, _ = builder.prompt(inputs[ids[index]])
+        torch.manual_seed(seed * 1_000_003 + index)  # transformers samples from the global generator
+        generator = torch.Generator(device=model.device).manual_seed(seed * 1_000_003 + index)
+        cont = generate(model, torch.tensor([prompt]), builder.max_answer, tokenizer.eos_id, sampling, generator)[0]
+        out[ids[index]] = tokenizer.decode(cont.tokens)
+        new_tokens += len(cont.tokens)
+        bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.1f} new tok/s", refresh=False)
+    return out
+
+
+def gather_predictions(local: dict[str, str], ranks: EvalRanks) -> dict[str, str]:
+    if ranks.world_size == 1:
+        return local
+    import torch.distributed as dist
+
+    parts: list[dict[str, str] | None] = [None] * ranks.world_size
+    dist.all_gather_object(parts, local)
+    merged: dict[str, str] = {}
+    for part in parts:
+        merged.update(part or {})
+    return merged
+
+
+def read_predictions(path: str) -> dict[str, str]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            predictions = json.load(f)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"--predictions {path} does not exist") from err
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--predictions {path} is not JSON ({err}); write {{\"id\": \"prediction\", ...}}") from err
+    if not isinstance(predictions, dict):
+        raise ValueError(f"--predictions {path} must hold a JSON object mapping ids to predicted text")
+    return predictions
+
+
+def format_scrolls_line(report: dict) -> str:
+    parts = [f"{k} {v:.2f}" for k, v in report["scores"].items() if isinstance(v, float) and k != "scrolls_score"]
+    return (f"SCROLLS {report['task']} ({report['num_predicted']} ids) of {report['model']}: "
+            f"{report['scores']['scrolls_score_key']} = {report['scores']['scrolls_score']:.2f} ({', '.join(parts)})")
+
+
+def run_eval_scrolls(model_path: str, task: str, data: str, out: str, *, predictions: str | None = None,
+                     tokenizer: str | None = None, seq_len: int = 8192, max_answer_tokens: int | None = None,
+                     max_examples: int | None = None, seed: int = 0, dtype: str = "fp32",
+                     step: int | None = None) -> dict:
+    """The `tapetrain eval-scrolls` job: references from `data`, predictions generated (or read), scores written."""
+    from tapetrain.data.tokenizer import Tokenizer
+
+    if task not in TASKS:
+        raise ValueError(f"unknown SCROLLS task {task!r}; choose one of {', '.join(sorted(TASKS))}")
+    inputs, references = references_by_id(list(iter_records(data)))
+    if max_examples is not None:
+        keep = list(inputs)[:max_examples]
+        inputs, references = {i: inputs[i] for i in keep}, {i: references[i] for i in keep}
+    start = time.perf_counter()
+    ranks = EvalRanks()
+    if predictions:
+        predicted = read_predictions(predictions)
+        settings: dict = {"source": predictions}
+        name = model_path
+    else:
+        ranks = init_eval_ranks()
+        try:
+            model = load_eval_model(model_path, dtype, step)
+            path = tokenizer or model.tokenizer
+            if not path:
+                raise ValueError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the "
+                                 "model was trained with)")
+            tok = Tokenizer(path)
+            local = generate_predictions(model, tok, task, inputs, seq_len=seq_len,
+                                         max_answer_tokens=max_answer_tokens, seed=seed, ranks=ranks)
+            predicted = gather_predictions(local, ranks)
+        finally:
+            ranks.close()
+        sampling = sampling_for(task)
+        settings = {"greedy": sampling.greedy, "temperature": sampling.temperature, "top_k": sampling.top_k,
+                    "top_p": sampling.top_p, "seq_len": seq_len,
+                    "max_new_tokens": PromptBuilder(task, tok, seq_len, max_answer_tokens).max_answer,
+                    "seed": seed, "tokenizer": tok.path, "kv_cache": True}
+        name = model.name
+    scores = score(task, predicted, references)
+    report = {"model": name, "task": task, "metric": TASK_METRIC[task], "data": data, "generation": settings,
+              "num_predicted": scores["num_predicted"], "scores": scores, "world_size": ranks.world_size,
+              "seconds": round(time.perf_counter() - start, 2), "predictions": predicted}
+    if ranks.is_main:
+        print(format_scrolls_line(report))
+        write_json_atomic(out, report)
+    return report
