@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import os
 
+from tapetrain.data import examples
 from tapetrain.data.errors import DataError
 from tapetrain.data.format import file_sha256, load_manifest
 
 
 def manifest_tokenizer(path: str) -> dict | None:
-    """{'path': ..., 'sha256': ...} recorded by prepare in `path`/manifest.json, or None if it recorded none."""
-    tok = load_manifest(path).get("tokenizer")
+    """{'path': ..., 'sha256': ...} recorded by prepare (or by an example store: arith/scrolls data, which keeps
+    its tokenizer.model inside) in `path`/manifest.json, or None if it recorded none."""
+    if examples.is_example_dir(path):
+        tok = dict(examples.read_manifest(path).get("tokenizer") or {})
+        tok.setdefault("path", examples.tokenizer_of(path))
+    else:
+        tok = load_manifest(path).get("tokenizer")
     return tok if isinstance(tok, dict) and tok.get("sha256") else None
 
 

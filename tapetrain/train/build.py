@@ -48,6 +48,7 @@ class Components:
     tokenizer_sha256: str | None = None
     skipped_steps: int = 0  # optimizer steps skipped for non-finite values before this start
     startup: object = None  # tapetrain.train.startup.StartupClock: the trainer logs the first step's time
+    run_config: object = None  # the RunConfig as written to config.yaml (init_from shape, example-store tokenizer)
 
 
 @dataclass
@@ -360,6 +361,7 @@ def build_components(cfg, env: DistEnv, clock=None) -> Components:
         tokenizer_sha256=start.tokenizer_sha256,
         skipped_steps=int((state or {}).get("skipped_steps", 0)),
         startup=clock,
+        run_config=cfg,
     )
 
 

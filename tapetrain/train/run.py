@@ -104,7 +104,7 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
             env.world_size,
             components.train_batches.grad_accum_steps,
         )
-        return Trainer(cfg, env, components).fit()
+        return Trainer(components.run_config, env, components).fit()  # each checkpoint's config.yaml = the run's
     finally:
         lock.release(failed_start=not started)
 

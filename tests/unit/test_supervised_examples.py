@@ -160,3 +160,19 @@ def test_errors_name_the_fix(tmp_path):
         open_dataset([{"path": path, "weight": 1}, {"path": str(shard_dir), "weight": 1}], 16)
     mixed = open_dataset([{"path": path, "weight": 1}, {"path": path, "weight": 2}], 16)
     assert isinstance(mixed.collate([mixed[0]]), ExampleBatch)
+
+
+def test_example_stores_pass_the_tokenizer_checks(tmp_path):
+    """A run's start-up compares the tokenizer of every data source; example stores record theirs in their own
+    manifest format (the check used to reject them as 'not a tokens dataset')."""
+    from tapetrain.data.format import file_sha256
+    from tapetrain.data.provenance import common_tokenizer
+
+    store = make_store(tmp_path / "s", random_examples(4, seed=5))
+    sha = file_sha256(f"{store}/tokenizer.model")
+    assert common_tokenizer([store]) == sha
+    assert common_tokenizer([store, store], f"{store}/tokenizer.model") == sha
+    other = tmp_path / "other.model"
+    other.write_bytes(b"not the same tokenizer")
+    with pytest.raises(DataError, match="is not the tokenizer the data was prepared with"):
+        common_tokenizer([store], str(other))
