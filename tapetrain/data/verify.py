@@ -13,6 +13,7 @@ import os
 import numpy as np
 from tqdm import tqdm
 
+from tapetrain.data import examples
 from tapetrain.data import format as fmt
 from tapetrain.data.errors import DataError
 
@@ -20,7 +21,10 @@ BLOCK = 1 << 22  # bytes per read; a multiple of every token width
 
 
 def verify_dataset(path: str, progress: bool = True) -> list[str]:
-    """Problems found in the prepared dataset at `path` (empty = every shard matches its manifest entry)."""
+    """Problems found in the prepared dataset (or example store) at `path` (empty = every file matches its
+    manifest entry)."""
+    if examples.is_example_dir(path):
+        return _verify_example_store(path, progress)
     manifest = fmt.load_manifest(path)
     dtype = fmt.DTYPES[manifest["dtype"]]
     vocab = int(manifest["vocab_size"])
@@ -34,7 +38,29 @@ def verify_dataset(path: str, progress: bool = True) -> list[str]:
     return problems
 
 
-def _verify_shard(root: str, shard: dict, dtype: np.dtype, vocab: int, bar: tqdm) -> list[str]:
+def _verify_example_store(path: str, progress: bool) -> list[str]:
+    """An example store (tapetrain arith/scrolls data): per split, its tokens file (sha256, ids < vocab) and its
+    index file (sha256; (num_examples, 3) int64 rows, not token ids)."""
+    manifest = examples.read_manifest(path)
+    dtype, vocab = examples.DTYPES[manifest["dtype"]], int(manifest["vocab_size"])
+    files = []
+    for split, entry in manifest["splits"].items():
+        sha = entry.get("files", {})
+        tokens, index = examples.tokens_file(split), examples.index_file(split)
+        files.append(({"file": tokens, "num_tokens": entry["num_tokens"], "sha256": sha.get(tokens)}, dtype, vocab))
+        files.append(({"file": index, "num_tokens": 3 * entry["num_examples"], "sha256": sha.get(index)},
+                      np.dtype("<i8"), None))
+    total = sum(f["num_tokens"] * d.itemsize for f, d, _ in files)
+    problems = []
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
+              disable=not progress, dynamic_ncols=True) as bar:
+        for file, file_dtype, file_vocab in files:
+            problems += _verify_shard(path, file, file_dtype, file_vocab, bar)
+    return problems
+
+
+def _verify_shard(root: str, shard: dict, dtype: np.dtype, vocab: int | None, bar: tqdm) -> list[str]:
+    """Size, sha256 and (when `vocab` is given) token ids < vocab of one file listed in a manifest."""
     file = os.path.join(root, shard["file"])
     want = shard["num_tokens"] * dtype.itemsize
     if not os.path.isfile(file):
@@ -48,7 +74,7 @@ def _verify_shard(root: str, shard: dict, dtype: np.dtype, vocab: int, bar: tqdm
         while block := f.read(BLOCK):
             digest.update(block)
             ids = np.frombuffer(block[: len(block) - len(block) % dtype.itemsize], dtype=dtype)
-            if len(ids):
+            if len(ids) and vocab is not None:
                 top = int(ids.max())
                 if top >= vocab and first_bad is None:
                     first_bad = offset + int(np.argmax(ids >= vocab))

@@ -176,3 +176,18 @@ def test_example_stores_pass_the_tokenizer_checks(tmp_path):
     other.write_bytes(b"not the same tokenizer")
     with pytest.raises(DataError, match="is not the tokenizer the data was prepared with"):
         common_tokenizer([store], str(other))
+
+
+def test_verify_checks_example_stores_too(tmp_path):
+    """`tapetrain verify` / data.verify on arith or scrolls data used to fail with "re-run tapetrain prepare"."""
+    from tapetrain.data.verify import verify_dataset
+
+    store = make_store(tmp_path / "s", random_examples(6, seed=4), val=random_examples(2, seed=9))
+    assert verify_dataset(store, progress=False) == []
+    tokens = tmp_path / "s" / "train.tokens.bin"
+    assert tokens.is_file(), sorted(p.name for p in (tmp_path / "s").iterdir())
+    raw = bytearray(tokens.read_bytes())
+    raw[0] ^= 0x01
+    tokens.write_bytes(bytes(raw))
+    problems = verify_dataset(store, progress=False)
+    assert len(problems) == 1 and "train.tokens.bin: sha256" in problems[0], problems
