@@ -61,18 +61,20 @@ def quiet_deprecations() -> None:
 def init_distributed(timeout_minutes: float | None = None) -> DistEnv:
     """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on CUDA).
 
-    Without a launcher DeepSpeed falls into MPI discovery (and fails without mpi4py), so a lone process first
-    declares itself rank 0 of 1 on a free local port. `timeout_minutes` bounds every collective (DeepSpeed's own
+    Without a launcher DeepSpeed would fall into MPI discovery (and fail without mpi4py), so a lone process
+    initialises itself as rank 0 of 1 on a free local port. `timeout_minutes` bounds every collective (DeepSpeed's own
     default is 10 minutes, shorter than a large checkpoint save or conversion that other ranks wait for).
     """
     import deepspeed
 
     quiet_deprecations()
 
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # A lone process (no launcher): rank 0 of 1 over a TCP rendezvous on a free local port, passed as arguments
+    # rather than written into os.environ, where every child process (a tool, a test, a nested job) would inherit
+    # RANK/WORLD_SIZE/MASTER_PORT and try to bind this process's port. DeepSpeed's engine reads LOCAL_RANK only.
+    lone = "RANK" not in os.environ or "WORLD_SIZE" not in os.environ
+    if lone:
+        os.environ.setdefault("LOCAL_RANK", "0")
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -83,8 +85,13 @@ def init_distributed(timeout_minutes: float | None = None) -> DistEnv:
         if device.type == "cpu":
             skip_cpu_shm_op_build()
         minutes = DEFAULT_TIMEOUT_MINUTES if timeout_minutes is None else timeout_minutes
-        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo",
-                                   timeout=timedelta(minutes=minutes))
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if lone:
+            deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes),
+                                       auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                       rank=0, world_size=1)
+        else:
+            deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes))
     return DistEnv(
         rank=torch.distributed.get_rank(),
         local_rank=local_rank,

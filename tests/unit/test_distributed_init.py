@@ -21,3 +21,22 @@ def test_cpu_start_ignores_a_stale_extension_build_lock(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "world 1 cpu" in proc.stdout
     assert (stale / "lock").exists()  # untouched: nothing tried to build
+
+
+def test_a_lone_process_leaves_no_rank_variables_for_its_children(tmp_path):
+    """Used in-process (eval tools, benchmarks, notebooks), init_distributed used to write RANK, WORLD_SIZE and
+    MASTER_PORT into os.environ: every child process then took itself for rank 0 of that group and failed to bind
+    the parent's port (EADDRINUSE), or joined the parent's group."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    child = "from tapetrain.distributed import init_distributed; print('child world', init_distributed().world_size)"
+    code = (
+        "import os, subprocess, sys\n"
+        "from tapetrain.distributed import init_distributed\n"
+        "init_distributed()\n"
+        "print('left', sorted(k for k in ('RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT') if k in os.environ))\n"
+        f"out = subprocess.run([sys.executable, '-c', {child!r}], capture_output=True, text=True, timeout=120)\n"
+        "print(out.stdout, out.stderr[-2000:])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "left []" in proc.stdout and "child world 1" in proc.stdout, proc.stdout[-3000:]
