@@ -12,6 +12,28 @@ def _seed():
     torch.manual_seed(0)
 
 
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _no_rank_variables_left_behind():
+    """A test that initialises DeepSpeed in the pytest process must not leave RANK/WORLD_SIZE/MASTER_PORT in
+    os.environ: every later subprocess (a tool, a training run) would inherit them, take itself for a rank of this
+    process's group and fail to bind its port (EADDRINUSE) far from the test that caused it."""
+    before = {key: os.environ.get(key) for key in RANK_VARIABLES}
+    yield
+    after = {key: os.environ.get(key) for key in RANK_VARIABLES}
+    changed = {key: value for key, value in after.items() if value != before[key]}
+    for key, value in before.items():  # restore, so one leak fails one test and not every later one
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    # LOCAL_RANK alone is harmless (DeepSpeed's engine reads it; a lone process sets it to 0)
+    changed.pop("LOCAL_RANK", None)
+    assert not changed, f"this test left rank variables in os.environ: {changed}"
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

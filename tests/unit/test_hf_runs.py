@@ -4,8 +4,6 @@ Also the helpers the other test_hf_* / test_eval_* modules use to make run direc
 """
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -14,24 +12,15 @@ import yaml
 from model_helpers import build, randomize_tape
 
 from tapetrain.checkpoint.run_loader import load_run_model, merge_lora
+from tapetrain.distributed import init_distributed
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}
 
 
 def init_deepspeed_single_process() -> None:
-    """One process as rank 0 of 1 on a free port (without it DeepSpeed tries MPI discovery)."""
-    import deepspeed
-
-    if torch.distributed.is_initialized():
-        return
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from tapetrain.distributed import skip_cpu_shm_op_build
-
-    skip_cpu_shm_op_build()  # no C++ build on CPU (see tapetrain.distributed)
-    deepspeed.init_distributed(dist_backend="gloo")
+    """One process as rank 0 of 1 (without it DeepSpeed tries MPI discovery), by the library's own lone-process
+    path: it leaves no RANK/WORLD_SIZE/MASTER_PORT in os.environ for later subprocesses to inherit."""
+    init_distributed()
 
 
 def save_step(engine, run_dir: Path, model, step: int, complete: bool = True) -> None:
