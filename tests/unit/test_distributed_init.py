@@ -5,12 +5,14 @@ import os
 import subprocess
 import sys
 
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
 
 def test_cpu_start_ignores_a_stale_extension_build_lock(tmp_path):
     stale = tmp_path / "deepspeed_shm_comm"
     stale.mkdir()
     (stale / "lock").write_text("")  # what a killed `torch.utils.cpp_extension.load` leaves
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     env["TORCH_EXTENSIONS_DIR"] = str(tmp_path)
     code = (
         "from tapetrain.distributed import init_distributed\n"
@@ -27,7 +29,7 @@ def test_a_lone_process_leaves_no_rank_variables_for_its_children(tmp_path):
     """Used in-process (eval tools, benchmarks, notebooks), init_distributed used to write RANK, WORLD_SIZE and
     MASTER_PORT into os.environ: every child process then took itself for rank 0 of that group and failed to bind
     the parent's port (EADDRINUSE), or joined the parent's group."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {k: v for k, v in os.environ.items() if k not in RANK_VARIABLES}
     child = "from tapetrain.distributed import init_distributed; print('child world', init_distributed().world_size)"
     code = (
         "import os, subprocess, sys\n"
