@@ -7,6 +7,15 @@ from __future__ import annotations
 import argparse
 
 
+def add_step_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--step", type=int, default=None, help="run directories: checkpoint step (default newest)")
+
+
+def accept_launcher_rank(parser: argparse.ArgumentParser) -> None:
+    """The deepspeed launcher passes --local_rank; rank and world size come from the environment."""
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+
+
 def parse_lengths(text: str) -> list[int]:
     try:
         lengths = [int(x) for x in text.replace(" ", "").split(",") if x]
@@ -95,9 +104,8 @@ def configure_eval_ppl_parser(parser: argparse.ArgumentParser) -> argparse.Argum
     parser.add_argument("--tokenizer", default=None, help="sentencepiece .model for text data (default: the model's)")
     parser.add_argument("--token-dtype", choices=("uint16", "uint32"), default=None,
                         help=".bin id width (default uint16)")
-    parser.add_argument("--step", type=int, default=None, help="run directories: checkpoint step (default newest)")
-    # The deepspeed launcher passes --local_rank; rank and world size come from the environment.
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_step_argument(parser)
+    accept_launcher_rank(parser)
 
     def run(args: argparse.Namespace) -> int:
         from tapetrain.eval.ppl import run_eval_ppl
@@ -144,7 +152,7 @@ def configure_eval_passkey_parser(parser: argparse.ArgumentParser) -> argparse.A
                         help="compute dtype (the references ran fp16)")
     parser.add_argument("--out", default=None, help="result JSON")
     parser.add_argument("--plot", default=None, help="PNG of accuracy vs length")
-    parser.add_argument("--step", type=int, default=None, help="run directories: checkpoint step (default newest)")
+    add_step_argument(parser)
 
     def run(args: argparse.Namespace) -> int:
         from tapetrain.eval.passkey import run_eval_passkey

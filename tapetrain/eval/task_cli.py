@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from tapetrain.eval.cli import accept_launcher_rank, add_step_argument
+
 
 def configure_eval_arith_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="run directory or Hugging Face export (tapetrain export-hf)")
@@ -12,8 +14,8 @@ def configure_eval_arith_parser(parser: argparse.ArgumentParser) -> argparse.Arg
     parser.add_argument("--plot", default=None, metavar="P.png", help="heatmap of accuracy per (len_a, len_b)")
     parser.add_argument("--batch-size", type=int, default=100, help="problems decoded together (equal-length prompts)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
-    parser.add_argument("--step", type=int, default=None, help="run directories: checkpoint step (default newest)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_step_argument(parser)
+    accept_launcher_rank(parser)
 
     def run(args: argparse.Namespace) -> int:
         from tapetrain.eval.arith import run_eval_arith
@@ -52,8 +54,8 @@ def configure_eval_scrolls_parser(parser: argparse.ArgumentParser) -> argparse.A
     parser.add_argument("--max-examples", type=int, default=None, help="evaluate the first N ids only")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed of the summary tasks")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype")
-    parser.add_argument("--step", type=int, default=None, help="run directories: checkpoint step (default newest)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_step_argument(parser)
+    accept_launcher_rank(parser)
 
     def run(args: argparse.Namespace) -> int:
         from tapetrain.eval.scrolls import run_eval_scrolls

@@ -5,6 +5,16 @@ from pathlib import Path
 import pytest
 
 
+def write_stdlib_corpus(path: Path, files: slice, max_chars: int | None = None) -> Path:
+    """A JSONL corpus of the standard library's own .py files: real text present on every machine with Python."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    with path.open("w") as f:
+        for source in sorted(stdlib.glob("*.py"))[files]:
+            text = source.read_text(encoding="utf-8", errors="replace")
+            f.write(json.dumps({"text": text[:max_chars]}) + "\n")
+    return path
+
+
 @pytest.fixture(scope="session")
 def shard_dir(tmp_path_factory):
     """A real sentencepiece tokenizer (vocab 512 = the tiny preset) and prepared shards with a val split."""
@@ -12,10 +22,7 @@ def shard_dir(tmp_path_factory):
     from tapetrain.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("shards")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    with (root / "corpus.jsonl").open("w") as f:
-        for path in sorted(stdlib.glob("*.py"))[:40]:  # real text present on every machine with Python
-            f.write(json.dumps({"text": path.read_text(encoding="utf-8", errors="replace")}) + "\n")
+    write_stdlib_corpus(root / "corpus.jsonl", slice(0, 40))
     train_tokenizer([str(root / "corpus.jsonl")], 512, str(root / "tok.model"))
     prepare([str(root / "corpus.jsonl")], str(root / "tok.model"), str(root / "data"), val_fraction=0.05)
     return root / "data"
@@ -27,10 +34,7 @@ def small_shard_dir(shard_dir, tmp_path_factory):
     from tapetrain.data.prepare import prepare
 
     root = tmp_path_factory.mktemp("small")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    with (root / "corpus.jsonl").open("w") as f:
-        for path in sorted(stdlib.glob("*.py"))[:3]:
-            f.write(json.dumps({"text": path.read_text(encoding="utf-8", errors="replace")[:1800]}) + "\n")
+    write_stdlib_corpus(root / "corpus.jsonl", slice(0, 3), max_chars=1800)
     prepare([str(root / "corpus.jsonl")], str(shard_dir.parent / "tok.model"), str(root / "data"), progress=False)
     return root / "data"
 
@@ -42,10 +46,7 @@ def other_tokenizer_dir(shard_dir, tmp_path_factory):
     from tapetrain.data.tokenizer import train_tokenizer
 
     root = tmp_path_factory.mktemp("othertok")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    with (root / "corpus.jsonl").open("w") as f:
-        for path in sorted(stdlib.glob("*.py"))[40:60]:
-            f.write(json.dumps({"text": path.read_text(encoding="utf-8", errors="replace")}) + "\n")
+    write_stdlib_corpus(root / "corpus.jsonl", slice(40, 60))
     train_tokenizer([str(root / "corpus.jsonl")], 512, str(root / "other.model"))
     prepare([str(shard_dir.parent / "corpus.jsonl")], str(root / "other.model"), str(root / "data"), progress=False)
     return root / "data"

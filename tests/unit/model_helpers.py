@@ -19,3 +19,11 @@ def randomize_tape(model: Transformer, std: float = 0.2, seed: int = 1) -> None:
         for name, param in model.named_parameters():
             if "tape" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def randomize_fire(model: Transformer, std: float = 0.3) -> None:
+    """Move FIRE's parameters off their initial values (global RNG) so its MLP, c and threshold all matter."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "fire" in name:
+                param.add_(torch.randn_like(param) * std)

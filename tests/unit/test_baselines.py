@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from model_helpers import build, randomize_tape
+from model_helpers import build, randomize_fire, randomize_tape
 
 from tapetrain.config import load_run_config
 from tapetrain.errors import ConfigError
@@ -241,10 +241,7 @@ def offset_effect(pe: str, overrides: dict) -> float:
     model = build(pe, **overrides).double()
     if pe == "tape":
         randomize_tape(model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "fire" in name:
-                param.add_(torch.randn_like(param) * 0.3)
+    randomize_fire(model)
     ids = torch.randint(0, 512, (2, 48), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         return float((model(ids, position_offset=2048).logits - model(ids).logits).abs().max())

@@ -5,9 +5,8 @@ import argparse
 import json
 
 import pytest
-from test_hf_runs import make_run, train_tiny_tokenizer
+from test_hf_runs import passkey_run_and_export
 
-from tapetrain.checkpoint.hf_export import export_hf
 from tapetrain.data.tokenizer import Tokenizer
 from tapetrain.eval.cli import add_eval_passkey_parser
 from tapetrain.eval.passkey import MAX_PASS_KEY, build_prompt, key_line, run_eval_passkey
@@ -17,11 +16,7 @@ LENGTHS = [128, 256]  # 256 > the tiny model's 128-token context: extrapolation
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("passkey")
-    tokenizer = train_tiny_tokenizer(root / "tok.model")
-    run = make_run(root / "run", "tape", tokenizer=tokenizer)
-    export_hf(str(run), str(root / "hf"))
-    return run, root / "hf", tokenizer
+    return passkey_run_and_export(tmp_path_factory.mktemp("passkey"))
 
 
 def test_prompt_holds_the_key_at_the_stated_position(setup):

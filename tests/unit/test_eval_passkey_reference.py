@@ -17,9 +17,8 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_hf_runs import make_run, train_tiny_tokenizer
+from test_hf_runs import passkey_run_and_export
 
-from tapetrain.checkpoint.hf_export import export_hf
 from tapetrain.data.tokenizer import Tokenizer
 from tapetrain.eval import passkey_reference as ref
 from tapetrain.eval.cli import add_eval_passkey_parser
@@ -68,11 +67,7 @@ def test_prompts_and_schedule_are_the_scripts():
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("passkey_ref")
-    tokenizer = train_tiny_tokenizer(root / "tok.model")
-    run = make_run(root / "run", "tape", tokenizer=tokenizer)
-    export_hf(str(run), str(root / "hf"))
-    return run, root / "hf", tokenizer
+    return passkey_run_and_export(tmp_path_factory.mktemp("passkey_ref"))
 
 
 def test_token_ids_match_transformers_tokenizer(setup):

@@ -7,7 +7,7 @@ beam search (reorders and repeats it), sampling, and left-padded batches (positi
 
 import pytest
 import torch
-from model_helpers import build, randomize_tape
+from model_helpers import build, randomize_fire, randomize_tape
 
 from tapetrain.checkpoint.hf_export import export_model
 
@@ -22,10 +22,7 @@ def exported(request, tmp_path_factory):
     model = build(pe, n_kv_heads=2)
     if pe == "tape":
         randomize_tape(model)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "fire" in name:
-                param.add_(torch.randn_like(param) * 0.3)
+    randomize_fire(model)
     out = tmp_path_factory.mktemp(pe) / "hf"
     export_model(model, str(out))
     return model, AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()

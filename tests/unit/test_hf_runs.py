@@ -196,3 +196,13 @@ def train_tiny_tokenizer(path: Path) -> str:
     corpus = path.with_suffix(".txt")
     corpus.write_text("\n".join(lines))
     return train_tokenizer([str(corpus)], 512, str(path))
+
+
+def passkey_run_and_export(root: Path) -> tuple[Path, Path, str]:
+    """A tiny TAPE run directory on the passkey tokenizer, its Hugging Face export and the tokenizer path."""
+    from tapetrain.checkpoint.hf_export import export_hf
+
+    tokenizer = train_tiny_tokenizer(root / "tok.model")
+    run = make_run(root / "run", "tape", tokenizer=tokenizer)
+    export_hf(str(run), str(root / "hf"))
+    return run, root / "hf", tokenizer
