@@ -44,7 +44,7 @@ def _memory_lines(cfg, model_config, world_size: int, total: int, trainable: int
              ("activations", est.activations_gb), ("logits", est.logits_gb), ("total", est.total_gpu_gb)]
     return [
         f"parameters: {total / 1e6:.2f}M ({trainable / 1e6:.2f}M trainable)",
-        "memory estimate per GPU (the README's memory model: 16-bit weights, fp32 Adam): "
+        "memory estimate per GPU (the memory model of docs/performance.md: 16-bit weights, fp32 Adam): "
         + ", ".join(f"{name} {_size(gib)}" for name, gib in parts) + f"; host (offload) {_size(est.host_offload_gb)}",
     ]
 
