@@ -254,8 +254,8 @@ def test_free_space_check_names_the_directory_and_the_bytes(tmp_path):
 def test_optimizer_settings_follow_the_config_after_a_load():
     from types import SimpleNamespace
 
+    from tapetrain.train.checkpointing import apply_config_settings, group_hyperparameters
     from tapetrain.train.optim import build_optimizer
-    from tapetrain.train.optim_settings import apply_config_settings, group_hyperparameters
     from tapetrain.train.schedule import build_scheduler, lr_at
 
     def cfg(**optim):
