@@ -61,7 +61,6 @@ class StartChecks:
     resume: ResumePoint | None
     train_dataset: Dataset
     val_dataset: Dataset | None
-    tokenizer_sha256: str | None
 
 
 def _data_spec(sources: list[DataSource]) -> list[dict]:
@@ -89,9 +88,8 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
             val = open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=vocab,
                                packing=cfg.data.packing)
         paths = [s.path for s in [*cfg.data.train, *cfg.data.val]]
-        sha = common_tokenizer(paths, cfg.data.tokenizer)
-        checkpoints.check_training_setup(sha)
-        found.update(resume=resume, train_dataset=train, val_dataset=val, tokenizer_sha256=sha)
+        checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer))
+        found.update(resume=resume, train_dataset=train, val_dataset=val)
 
     agree(env, check)
     if cfg.data.verify:
@@ -207,7 +205,7 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
     # model
     model, total, trainable = _training_model(cfg, model_config, env, ds_config, clock)
 
-    # resume, before the engine: free space, another rank count's conversion, the run's files (committed)
+    # resume, before the engine: free space, the conversion for another rank count, the run's files (committed)
     ds_config = checkpoints.prepare(model, ds_config, total_params=total, trainable_params=trainable)
 
     # engine
@@ -216,10 +214,12 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
                 + (f", loading {start.resume.checkpoint.name}" if start.resume else ""))
     engine, scheduler = _engine(cfg, model, ds_config)
 
-    # data order, and the checkpoint's state in engine, schedule and data order (the config's settings win)
+    # data order
     train_batches = BatchIterator(start.train_dataset, seed=cfg.run.seed, global_batch_size=cfg.train.global_batch_size,
                                   micro_batch_size=cfg.train.micro_batch_size, rank=env.rank,
                                   world_size=env.world_size)
+
+    # resume: the checkpoint's state into the engine, LR schedule and data order (the config's settings win)
     progress = checkpoints.restore(engine, scheduler, train_batches)
     clock.done("engine", "ready" + (f", resumed at step {progress.step}" if start.resume else ""))
     _log_epochs(train_batches, cfg.train.steps - progress.step)

@@ -54,7 +54,6 @@ log = logging.getLogger("tapetrain.train")
 
 CONFIG_HISTORY = "config_history"
 UNIVERSAL_SCRATCH = "universal.tmp"  # under checkpoints/; removed by remove_incomplete like any *.tmp
-HYPERPARAMETERS = ("betas", "eps", "weight_decay")
 
 # How a checkpoint reaches this start's partitioning: loaded as saved (same rank count, or ZeRO-0), through
 # DeepSpeed's universal format (ZeRO-1/2 on another rank count), or its weights alone (ZeRO-3 on another count).
@@ -272,6 +271,8 @@ class CheckpointManager:
 # DeepSpeed's load_checkpoint restores the param groups (lr, betas, eps, weight decay) and ZeRO-1/2 their clipping
 # threshold. But the LR is a function of (config, step) (tapetrain.train.schedule.lr_at), and a resume with a new
 # optimizer section or train.grad_clip must train with the new values from the resumed step on.
+
+HYPERPARAMETERS = ("betas", "eps", "weight_decay")
 
 
 def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
