@@ -5,7 +5,7 @@ resume compares the resolved model config with the checkpoint's model_config.jso
 except in EXECUTION_ONLY_MODEL_FIELDS (how the same function is computed). The trainable parameter set, the LoRA
 adapters and the tokenizer are part of what a checkpoint means too. Optimizer settings, the schedule and the
 batch size may change: the config wins from the resumed step on, and these helpers describe what changed so the
-log says it.
+log says it. tapetrain.train.checkpointing.CheckpointManager applies these rules; nothing else calls them.
 """
 
 from __future__ import annotations
