@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from tapetrain.config.fields import field_help
 from tapetrain.config.run_config import RunConfig
 from tapetrain.config.sections import DataSource, LoraSection, ModelSection, ProfileSection, WandbSection
 from tapetrain.config.typed import type_name
+from tapetrain.fields import field_help
 
 INTRO = """\
 A run is one YAML file with the sections below; `tapetrain train CONFIG.yaml KEY=VALUE ...` overrides any
