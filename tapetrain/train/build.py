@@ -20,11 +20,10 @@ from pathlib import Path
 import torch
 
 from tapetrain.checkpoint import disk, store
+from tapetrain.distributed import DistEnv, agree, barrier
 from tapetrain.errors import ConfigError, RunError
 from tapetrain.model import ModelConfig, Transformer
 from tapetrain.train import resume_checks
-from tapetrain.train.collective import agree
-from tapetrain.train.distributed import DistEnv, barrier
 from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, build_model, resolve_model_config
 
 log = logging.getLogger("tapetrain.train")

@@ -16,8 +16,8 @@ import logging
 
 import torch
 
+from tapetrain.distributed import DistEnv
 from tapetrain.model import ModelConfig, Transformer
-from tapetrain.train.distributed import DistEnv
 
 log = logging.getLogger("tapetrain.train")
 

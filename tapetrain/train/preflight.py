@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from tapetrain.distributed import DistEnv
 from tapetrain.errors import ConfigError
-from tapetrain.train.distributed import DistEnv
 
 log = logging.getLogger("tapetrain.train")
 
@@ -86,8 +86,8 @@ def dry_run(cfg, env: DistEnv) -> int:
     """Every check of a real start (collectively, on every rank), then stop: nothing is written or locked."""
     from tapetrain.checkpoint import disk
     from tapetrain.config import build_deepspeed_config
+    from tapetrain.distributed import agree
     from tapetrain.train.build import check_before_start, data_summary, resolve_model_config_agreed
-    from tapetrain.train.collective import agree
 
     model_config = resolve_model_config_agreed(cfg, env)
     build_deepspeed_config(cfg, env.world_size)

@@ -15,9 +15,8 @@ import torch
 from tapetrain.checkpoint import disk, store
 from tapetrain.data.batches import read_batch
 from tapetrain.data.supervised import inputs_and_labels
+from tapetrain.distributed import DistEnv, agree, all_reduce_sum, barrier
 from tapetrain.errors import DiskSpaceError, RunError
-from tapetrain.train.collective import agree
-from tapetrain.train.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
 from tapetrain.train.optim_settings import set_schedule_position
 from tapetrain.train.resume_checks import training_settings
