@@ -1,18 +1,62 @@
-"""Process-group setup that works as a single process, under the deepspeed launcher, torchrun or SLURM.
+"""Ranks, process groups and collectives, for training, checkpoints and the eval tools alike.
 
-Neutral ground: train/ and checkpoint/ both use it, and it imports neither (checkpoint code must not depend on
-the train package).
+Works as a single process, under the deepspeed launcher, torchrun or SLURM. Neutral ground: train/, checkpoint/ and
+eval/ all use it, and it imports none of them (checkpoint code must not depend on the train package).
+
+    DistEnv, local_device, under_launcher    who and where this process is
+    init_distributed                         training: the process group through DeepSpeed, also for a lone process
+    EvalRanks, init_eval_ranks               eval tools: the launcher's group when there is one, else none
+    all_reduce_sum, barrier                  collectives that are no-ops for a lone process
+    agree                                    a check that fails on one rank stops every rank, one rank says why
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+
+from tapetrain.data.errors import DataError
+from tapetrain.errors import ConfigError, DiskSpaceError, RunDirLockedError, RunError
+
+DEFAULT_TIMEOUT_MINUTES = 30.0
+
+# ---- who and where this process is ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job; the defaults describe a lone CPU process."""
+
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_launcher() -> bool:
+    """True in a rank started by a launcher with more than one process (deepspeed, torchrun, SLURM wrappers)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def local_rank() -> int:
+    """This process's rank on its machine, as the launcher set it (0 for a lone process)."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_device() -> torch.device:
+    """GPU LOCAL_RANK where CUDA is available (launchers start one process per GPU), else the CPU."""
+    return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def free_port() -> int:
@@ -21,16 +65,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@dataclass(frozen=True)
-class DistEnv:
-    rank: int
-    local_rank: int
-    world_size: int
-    device: torch.device
+def group_world_size() -> int:
+    """Ranks in the default process group; 1 when there is none."""
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
+
+# ---- training: the process group through DeepSpeed -----------------------------------------------------------
 
 
 def skip_cpu_shm_op_build() -> None:
@@ -43,14 +84,6 @@ def skip_cpu_shm_op_build() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-DEFAULT_TIMEOUT_MINUTES = 30.0
-
-
-def under_launcher() -> bool:
-    """True in a rank started by a launcher with more than one process (deepspeed, torchrun, SLURM wrappers)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def quiet_deprecations() -> None:
@@ -75,12 +108,9 @@ def init_distributed(timeout_minutes: float | None = None) -> DistEnv:
     lone = "RANK" not in os.environ or "WORLD_SIZE" not in os.environ
     if lone:
         os.environ.setdefault("LOCAL_RANK", "0")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = local_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not torch.distributed.is_initialized():
         if device.type == "cpu":
             skip_cpu_shm_op_build()
@@ -94,7 +124,7 @@ def init_distributed(timeout_minutes: float | None = None) -> DistEnv:
             deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes))
     return DistEnv(
         rank=torch.distributed.get_rank(),
-        local_rank=local_rank,
+        local_rank=local_rank(),
         world_size=torch.distributed.get_world_size(),
         device=device,
     )
@@ -112,9 +142,48 @@ def collective_timeout_minutes() -> float | None:
         return None
 
 
+# ---- eval tools: the launcher's group, or none -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EvalRanks(DistEnv):
+    """A DistEnv for the eval tools, which also remembers whether they created the process group."""
+
+    owns_group: bool = False  # we created the process group, so we tear it down
+
+    def close(self) -> None:
+        if self.owns_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def init_eval_ranks() -> EvalRanks:
+    """Join the launcher's process group when WORLD_SIZE > 1 (gloo on CPU, nccl on GPU); else a single process.
+
+    Plain torch.distributed, no DeepSpeed: an eval tool on one process needs no group at all.
+    """
+    device = local_device()
+    if not under_launcher():
+        return EvalRanks(local_rank=local_rank(), device=device)  # no process group
+    dist = torch.distributed
+    owns = False
+    if not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        owns = True
+    if dist.get_rank() != 0:
+        logging.getLogger().setLevel(logging.WARNING)  # one console voice: rank 0 logs, every rank warns
+    return EvalRanks(rank=dist.get_rank(), local_rank=local_rank(), world_size=dist.get_world_size(),
+                     device=device, owns_group=owns)
+
+
+# ---- collectives -----------------------------------------------------------------------------------------------
+
+
 def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
+    """Sum `values` over ranks (float64, on `device` so that NCCL can reduce it)."""
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+    if group_world_size() > 1:
         torch.distributed.all_reduce(tensor)
     return tensor.tolist()
 
@@ -122,3 +191,50 @@ def all_reduce_sum(values: list[float], device: torch.device) -> list[float]:
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+# ---- stopping together -----------------------------------------------------------------------------------------
+# Under a launcher a rank that raises alone leaves the others blocked in their next collective until a timeout;
+# `agree` turns a failure on one rank into the same exception on all of them, printed once (by the lowest failing
+# rank; the copies on the other ranks carry `reported_elsewhere`).
+
+# Failures whose message is the whole story (they name the problem and the fix): no traceback needed.
+EXPECTED_ERRORS = (ConfigError, DataError, RunError)
+_BY_NAME = {cls.__name__: cls for cls in (ConfigError, DataError, RunError, DiskSpaceError, RunDirLockedError)}
+
+
+def agree(env: DistEnv, check: Callable[[], None], *, on_main_only: bool = False) -> None:
+    """Run `check` on every rank (or on rank 0 only); if it raised an expected error anywhere, raise on all ranks.
+
+    Collective: every rank must call it at the same point.
+    """
+    error: BaseException | None = None
+    if env.is_main or not on_main_only:
+        try:
+            check()
+        except EXPECTED_ERRORS as err:
+            error = err
+    world = group_world_size()
+    if world == 1:
+        if error is not None:
+            raise error
+        return
+    payload = None if error is None else (_kind(error), str(error))
+    gathered: list = [None] * world
+    torch.distributed.all_gather_object(gathered, payload)
+    failed = [(rank, p) for rank, p in enumerate(gathered) if p is not None]
+    if not failed:
+        return
+    first_rank, (kind, message) = failed[0]
+    if error is not None and env.rank == first_rank:
+        raise error  # the original, printed by this rank
+    copy = _BY_NAME.get(kind, RunError)(f"rank {first_rank}: {message}" if first_rank else message)
+    copy.reported_elsewhere = True  # type: ignore[attr-defined]
+    raise copy
+
+
+def _kind(error: BaseException) -> str:
+    for cls in type(error).__mro__:
+        if cls.__name__ in _BY_NAME:
+            return cls.__name__
+    return "RunError"

@@ -19,8 +19,8 @@ from tqdm import tqdm
 
 from tapetrain.data.arith import DIGIT0, VOCAB_SIZE, problem_ids, read_eval_grid
 from tapetrain.data.char_vocab import EOS_ID
+from tapetrain.distributed import EvalRanks, all_reduce_sum, init_eval_ranks
 from tapetrain.eval.decoding import Continuation, generate
-from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
 from tapetrain.eval.models import EvalModel, load_eval_model
 from tapetrain.eval.report import write_json_atomic
 
@@ -123,7 +123,7 @@ def evaluate_arith(model: EvalModel, problems: list[dict], train_max_digits: int
                 counts[k] += (predicted == problem["sum"], 1)
             bar.update(len(group))
             bar.set_postfix_str(f"{bar.n / (time.perf_counter() - start):.0f} problems/s", refresh=False)
-    counts = np.asarray(ranks.all_reduce_sum(counts.ravel().tolist(), model.device)).reshape(-1, 2)
+    counts = np.asarray(all_reduce_sum(counts.ravel().tolist(), model.device)).reshape(-1, 2)
     return summarize({keys[k]: (int(c), int(n)) for k, (c, n) in enumerate(counts)}, train_max_digits)
 
 

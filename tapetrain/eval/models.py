@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tapetrain.distributed import local_device
+
 log = logging.getLogger("tapetrain.eval")
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,12 +65,6 @@ class EvalModel:
         return out[0, ids.shape[1]:].cpu()
 
 
-def eval_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-    return torch.device("cpu")
-
-
 def _tokenizer_in(directory: str) -> str | None:
     path = os.path.join(directory, "tokenizer.model")
     return path if os.path.isfile(path) else None
@@ -90,7 +86,7 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    device = device or eval_device()
+    device = device or local_device()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"model {path} does not exist; pass a Hugging Face export directory (tapetrain "
                                 "export-hf) or a run directory")

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
+from tapetrain.distributed import EvalRanks, all_reduce_sum, init_eval_ranks
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json, write_json_atomic
 from tapetrain.eval.tokens import EvalTokens, open_eval_tokens
@@ -83,7 +83,7 @@ def evaluate_ppl(
         per_window = [0.0] * len(windows)  # every rank fills its own windows; the sum over ranks fills them all
         for i, value in zip(mine, scored, strict=True):
             per_window[i] = value
-        per_window = ranks.all_reduce_sum(per_window, model.device)
+        per_window = all_reduce_sum(per_window, model.device)
         counts = [w.tokens for w in windows]
         summary = aggregate(protocol, per_window, counts, reference_batch_size)
         results.append({"length": length, "ppl": summary["ppl"], "nll": summary["nll"],

@@ -19,8 +19,8 @@ import torch
 from tqdm import tqdm
 
 from tapetrain.data.scrolls import TASKS, PromptBuilder, iter_records, references_by_id
+from tapetrain.distributed import EvalRanks, init_eval_ranks
 from tapetrain.eval.decoding import GREEDY, Sampling, generate
-from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
 from tapetrain.eval.models import EvalModel, load_eval_model
 from tapetrain.eval.report import write_json_atomic
 from tapetrain.eval.scrolls_metrics import TASK_METRIC, score

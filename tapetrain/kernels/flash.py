@@ -11,11 +11,11 @@ one of two exact strategies:
 
 "auto" uses two_calls; tools/benchmark.py measures both (we cannot measure without a GPU here).
 
-Shapes are heads-first as everywhere in tapetrain (q (B, H, T, D), k (B, Hk, S, D), v (B, Hv, S, Dv),
-e (B, H, S, De)); flash-attn wants (B, T, H, D), so tensors are transposed on the way in and out. Causal masking
-in flash-attn >= 2.1 is bottom-right aligned, matching tapetrain. flash-attn does GQA natively when k and v
-share a head count; when Hk != Hv both are expanded to lcm(Hk, Hv) heads (repeat_interleave; a no-op for TAPE's
-keys, which already have H heads).
+Shapes are heads-first as every attention backend takes them (q (B, H, T, D), k (B, Hk, S, D), v (B, Hv, S, Dv),
+e (B, H, S, De): the heads-first view of TAPE's token-major E (B, S, M, De)); flash-attn wants (B, T, H, D), so
+tensors are transposed on the way in and out. Causal masking in flash-attn >= 2.1 is bottom-right aligned,
+matching tapetrain. flash-attn does GQA natively when k and v share a head count; when Hk != Hv both are expanded
+to lcm(Hk, Hv) heads (repeat_interleave; a no-op for TAPE's keys, which already have H heads).
 """
 
 from __future__ import annotations

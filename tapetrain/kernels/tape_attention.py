@@ -3,6 +3,8 @@
 Per batch b and query head h (shapes as in tapetrain.model.attention):
 
     q (B, H, T, D)   k (B, Hk, S, D)   v (B, Hv, S, Dv)   e (B, H, S, De) or None
+    (e: the heads-first view E.transpose(1, 2) of TAPE's token-major state E (B, S, M, De), M = H; the model
+    passes q, k, v as such views too, so every load reads rows of D contiguous numbers)
     A = softmax(q_h k_{h // (H/Hk)}^T * scale + causal mask)       (T × S), causal bottom-right aligned
     o = A · v_{h // (H/Hv)}      (B, H, T, Dv)
     o_e = A · e_h                (B, H, T, De)

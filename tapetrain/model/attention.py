@@ -13,7 +13,8 @@ Shapes (heads-first, like SDPA):
     q   (B, H,  T, D)
     k   (B, Hk, S, D)     Hk divides H (grouped-query attention)
     v   (B, Hv, S, Dv)    Hv divides H (for TAPE keys are per query head but values stay per kv head)
-    e   (B, H,  S, De) or None
+    e   (B, H,  S, De) or None: TAPE's token-major state E (B, S, M, De), M = H, seen heads-first through
+        E.transpose(1, 2) (a view, no copy; the same holds for q, k, v, which the projections give token-major)
     bias (1|B, H, T, S) additive float bias or None (ALiBi, FIRE)
 
 Causal masking is aligned bottom-right: query t (of T) sits at absolute position S - T + t, so the same call works

@@ -9,7 +9,8 @@ import torch
 
 @dataclass
 class LayerCache:
-    """Past keys (rotated; (B, Hk, S, D) — per query head for TAPE), values (B, Hkv, S, D), TAPE state (B, H, S, D)."""
+    """Past keys (rotated; (B, Hk, S, D), per query head for TAPE) and values (B, Hkv, S, D), heads-first as
+    attention takes them; TAPE's state E (B, S, M, D), token-major as everywhere."""
 
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
@@ -18,11 +19,12 @@ class LayerCache:
     def append(
         self, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Store the new tokens' entries and return everything so far (along the sequence axis, dim 2)."""
+        """Store the new tokens' entries and return everything so far: k, v (B, ·, T, D) along dim 2, E (B, T, M, D)
+        along dim 1."""
         self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
         self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
         if e is not None:
-            self.e = e if self.e is None else torch.cat([self.e, e], dim=2)
+            self.e = e if self.e is None else torch.cat([self.e, e], dim=1)
         return self.k, self.v, self.e
 
 

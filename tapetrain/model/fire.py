@@ -15,6 +15,8 @@ from torch import nn
 
 
 class FireBias(nn.Module):
+    """FIRE's attention bias f_θ(ψ(i − j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c·x| + 1), L = |m·L₀|, per head."""
+
     def __init__(self, n_heads: int, hidden: int, init_c: float = 0.1, init_threshold: float = 512.0,
                  eps: float = 1e-6):
         super().__init__()

@@ -29,7 +29,7 @@ class PositionContext:
     cos, sin       (B, 1, T, F)    rotary tables for rope/randpe/xpos (model dtype)
     xpos           XposDecay       xpos: the decay, applied inside attention block by block (tapetrain.model.xpos)
     bias           (1|B, H, T, S)  additive attention bias for alibi/fire
-    tape_init      (B, H, T, D)    TAPE's E^(0): [c ‖ s] per head
+    tape_init      (B, T, M, D)    TAPE's E^(0), token-major like E everywhere: [c ‖ s] per token and head
     """
 
     positions: torch.Tensor
@@ -118,8 +118,7 @@ class PositionalEncoding(nn.Module):
             cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta, cfg.pi_factor)  # (B, T, F)
             if self.kind == "tape":
                 e0 = torch.cat([cos, sin], dim=-1).to(dtype)  # (B, T, D)
-                # (B, H, T, D) view of a token-major (B, T, H, D) expansion: the same for every head, no copy
-                ctx.tape_init = e0[:, :, None].expand(-1, -1, cfg.n_heads, -1).transpose(1, 2)
+                ctx.tape_init = e0[:, :, None].expand(-1, -1, cfg.n_heads, -1)  # (B, T, M, D) view, no copy
             else:
                 ctx.cos, ctx.sin = cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, F)
         if self.kind == "xpos":

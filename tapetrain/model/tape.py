@@ -60,7 +60,7 @@ class TapeMlpUpdate(nn.Module):
         self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
         self.up_proj = nn.Linear(n_heads, channels, bias=False)  # W_up: M -> I
         self.down_proj = nn.Linear(channels, n_heads, bias=False)  # W_down: I -> M
-        self.down_proj.zero_init = True  # read by Transformer.init_module
+        self.down_proj.zero_init = True  # zeroed by the weight init: a fresh model is its RoPE twin
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         """state (B, T, M, D), mlp_out (B, T, C) -> updated state (B, T, M, D)."""
@@ -87,7 +87,7 @@ class TapeMlpUpdateNonEquivariant(nn.Module):
         self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
         self.up_proj = nn.Linear(width, channels, bias=False)  # W_up: M·F -> I
         self.down_proj = nn.Linear(channels, width, bias=False)  # W_down: I -> M·F
-        self.down_proj.zero_init = True  # read by Transformer.init_module
+        self.down_proj.zero_init = True  # zeroed by the weight init: a fresh model is its RoPE twin
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         """state (B, T, M, D) token-major, mlp_out (B, T, C) -> updated state (B, T, M, D)."""

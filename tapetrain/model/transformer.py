@@ -1,6 +1,7 @@
 """A Llama-style decoder with a choice of positional encoding, TAPE included. Plain single-device PyTorch.
 
-Each layer carries two streams: token features x (B, T, C) and, for TAPE, the positional state E (B, M, T, D).
+Each layer carries two streams: token features x (B, T, C) and, for TAPE, the positional state E (B, T, M, D),
+token-major (M = n_heads; see model/tape.py).
 
     h  = x + Attn(RMSNorm(x); E)        logits from q̃ = E^T q, k̃ = E^T k; values [V ‖ E] share one softmax
     E  = E + (A·E) ×_heads W_A           attention-side update
@@ -81,22 +82,24 @@ class Attention(nn.Module):
         pe: PositionalEncoding,
         cache: LayerCache | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, T, C), TAPE's state E (B, T, M, D) or None -> attention output (B, T, C), E after the update."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D) view
-        e_values = None
+        e_values = None  # E as extra value channels (B, S, M, D), for layers that update it
         if state is not None:
-            # E (B, T, H, D) is per query head, so keys are expanded to query heads before rotation (GQA memory
-            # cost: H/Hkv). Everything stays token-major; the attention backends take (B, H, T, D) views.
+            # E (B, T, M, D) is per query head, so keys are expanded to query heads before rotation (GQA memory
+            # cost: H/Hkv). Everything stays token-major; the attention backends take heads-first views.
             groups = self.n_heads // self.n_kv
             k = rotate_by_state(k.repeat_interleave(groups, dim=2) if groups > 1 else k, state).transpose(1, 2)
             q = rotate_by_state(q, state).transpose(1, 2)
-            e_values = state.transpose(1, 2) if self.tape_mix is not None else None
+            e_values = state if self.tape_mix is not None else None
         else:
             q, k = pe.rotate_qk(q.transpose(1, 2), k.transpose(1, 2), ctx)
         if cache is not None:
             k, v, e_values = cache.append(k, v, e_values)
+        e_values = e_values.transpose(1, 2) if e_values is not None else None  # (B, M, S, D) view
         if self.cfg.s2_attn and self.training and cache is None:
             group = max(2, int(t * self.cfg.s2_attn_group_fraction))
             out, attended = shifted_sparse_attention(q, k, v, group, self.cfg.attn_backend), None
@@ -107,18 +110,16 @@ class Attention(nn.Module):
             )
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
-            state = self.tape_mix(state, attended.transpose(1, 2))  # A·E back to token-major (B, T, H, D)
+            state = self.tape_mix(state, attended.transpose(1, 2))  # A·E back to token-major (B, T, M, D)
         return out, state
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, is_last: bool, layer: int | None = None):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         # The final E is dropped, so the last layer's E updates could never affect the output: not created
         # (dead parameters would only get None gradients). model.tape_layers limits the updates to some layers.
-        updates_state = cfg.pe == "tape" and not is_last
-        if layer is not None:
-            updates_state = cfg.updates_tape_state(layer)
+        updates_state = cfg.updates_tape_state(layer)
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, updates_state)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -132,7 +133,15 @@ class DecoderLayer(nn.Module):
         self.fire = FireBias(cfg.n_heads, cfg.fire_hidden, cfg.fire_init_c, cfg.fire_init_threshold) if (
             cfg.pe == "fire" and not cfg.fire_shared) else None
 
-    def forward(self, x, ctx, state, pe, cache=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx: PositionContext,
+        state: torch.Tensor | None,
+        pe: PositionalEncoding,
+        cache: LayerCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x (B, T, C), TAPE's state E (B, T, M, D) or None -> both after this layer."""
         if self.fire is not None:
             ctx = dataclasses.replace(ctx, bias=self.fire(ctx.positions, ctx.key_positions).to(x.dtype))
         attn_out, state = self.attn(self.attn_norm(x), ctx, state, pe, cache)
@@ -151,7 +160,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pe = PositionalEncoding(cfg)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i == cfg.n_layers - 1, i) for i in range(cfg.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, loss_backend=cfg.loss_backend, chunk_mib=cfg.loss_chunk_mib)
         self.reset_parameters()
@@ -201,7 +210,7 @@ class Transformer(nn.Module):
         loss is computed by model.loss_backend and logits are None (except the plain backend).
 
         positions (B, T) or (T,) overrides the default positions (past + arange(T) + position_offset);
-        tape_state (B, H, T, D) overrides TAPE's E^(0) (tests of the O(2) property use it).
+        tape_state (B, T, M, D) overrides TAPE's E^(0) (tests of the O(2) property use it).
         """
         b, t = input_ids.shape
         # Host-side check only: on an accelerator this read would synchronise every micro-step, and there the data
@@ -220,9 +229,12 @@ class Transformer(nn.Module):
         key_positions = cache.extend_positions(positions) if cache is not None else positions
         x = self.embed(input_ids)
         ctx = self.pe.context(positions, key_positions, x.dtype, sample)
-        state = tape_state if tape_state is not None else ctx.tape_init  # (B, H, T, D)
-        if state is not None:
-            state = state.transpose(1, 2)  # token-major (B, T, H, D) inside the layers (see model/tape.py)
+        if tape_state is not None and tape_state.shape != (b, t, self.cfg.n_heads, self.cfg.head_dim):
+            raise ValueError(
+                f"tape_state has shape {tuple(tape_state.shape)}; it must be token-major (B, T, M, D) = "
+                f"({b}, {t}, {self.cfg.n_heads}, {self.cfg.head_dim}), the layout of PositionContext.tape_init"
+            )
+        state = tape_state if tape_state is not None else ctx.tape_init  # (B, T, M, D)
         use_checkpoint = self.cfg.activation_checkpointing and self.training and cache is None
         for i, layer in enumerate(self.layers):
             layer_cache = cache.layers[i] if cache is not None else None

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tapetrain.distributed import DistEnv, agree
 from tapetrain.errors import ConfigError
 from tapetrain.model import ModelConfig, Transformer
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
-from tapetrain.train.collective import agree
-from tapetrain.train.distributed import DistEnv
 from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, build_model, resolve_model_config
 from tapetrain.train.startup import StartupClock
 

@@ -36,11 +36,10 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from tapetrain.checkpoint import disk, store
+from tapetrain.distributed import DistEnv, agree, barrier
 from tapetrain.errors import ConfigError, DiskSpaceError, RunError
 from tapetrain.model import ModelConfig
 from tapetrain.train import resume_checks
-from tapetrain.train.collective import agree
-from tapetrain.train.distributed import DistEnv, barrier
 from tapetrain.train.schedule import param_group_lists, set_schedule_position
 
 if TYPE_CHECKING:

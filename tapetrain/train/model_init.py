@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tapetrain.distributed import DistEnv
 from tapetrain.model import ModelConfig, Transformer
-from tapetrain.train.distributed import DistEnv
 
 if TYPE_CHECKING:
     from tapetrain.config import RunConfig

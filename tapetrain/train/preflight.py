@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tapetrain.distributed import DistEnv
 from tapetrain.errors import ConfigError
-from tapetrain.train.distributed import DistEnv
 
 if TYPE_CHECKING:
     from tapetrain.config import RunConfig
@@ -92,9 +92,9 @@ def dry_run(cfg: RunConfig, env: DistEnv) -> int:
     """Every check of a real start (collectively, on every rank), then stop: nothing is written or locked."""
     from tapetrain.checkpoint import disk
     from tapetrain.config import build_deepspeed_config
+    from tapetrain.distributed import agree
     from tapetrain.train.build import check_before_start, data_summary, resolve_model_config_agreed
     from tapetrain.train.checkpointing import CheckpointManager
-    from tapetrain.train.collective import agree
 
     model_config = resolve_model_config_agreed(cfg, env)
     build_deepspeed_config(cfg, env.world_size)

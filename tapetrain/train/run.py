@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from tapetrain.distributed import collective_timeout_minutes
-from tapetrain.train.distributed import init_distributed
+from tapetrain.distributed import EXPECTED_ERRORS, agree, collective_timeout_minutes, init_distributed, under_launcher
 
 if TYPE_CHECKING:
     from tapetrain.config import RunConfig
@@ -23,8 +22,6 @@ def train_from_args(config_path: str, overrides: list[str], *, print_config: boo
     expected failures print their message once, on the lowest rank that saw them (no traceback: it names the
     problem and the fix). `print_config`: print what the config resolves to (for `world_size` ranks) and stop;
     `dry_run`: run every start-up check, write nothing, stop before training."""
-    from tapetrain.train.collective import EXPECTED_ERRORS
-
     try:
         if print_config:
             from tapetrain.train.preflight import print_resolved
@@ -53,8 +50,6 @@ def _load_config_on_every_rank(config_path: str, overrides: list[str]):
     """(config, None) or (None, the config error). Under a launcher a config error is held until the process
     group exists, so that the ranks can agree and one of them prints it; a lone process raises at once."""
     from tapetrain.config import load_run_config
-    from tapetrain.distributed import under_launcher
-    from tapetrain.train.collective import EXPECTED_ERRORS
 
     try:
         return load_run_config(config_path, list(overrides)), None
@@ -66,7 +61,6 @@ def _load_config_on_every_rank(config_path: str, overrides: list[str]):
 
 def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> int:
     from tapetrain.train.build import build_components
-    from tapetrain.train.collective import agree
     from tapetrain.train.run_lock import RunLock
     from tapetrain.train.startup import StartupClock
     from tapetrain.train.trainer import Trainer

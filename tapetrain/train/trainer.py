@@ -16,9 +16,9 @@ import torch
 from tapetrain.checkpoint import store
 from tapetrain.data.batches import read_batch
 from tapetrain.data.supervised import inputs_and_labels
+from tapetrain.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.errors import RunError
 from tapetrain.train.checkpointing import TrainingProgress
-from tapetrain.train.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
 from tapetrain.train.schedule import set_schedule_position
 from tapetrain.train.step_guard import StepGuard, weights_are_finite

@@ -17,8 +17,8 @@ from pathlib import Path
 from torch.overrides import TorchFunctionMode
 
 from tapetrain.config import load_run_config
+from tapetrain.distributed import init_distributed
 from tapetrain.train.build import build_components
-from tapetrain.train.distributed import init_distributed
 from tapetrain.train.trainer import Trainer
 
 HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "cpu", "nonzero", "numpy"}

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from tapetrain.config import load_run_config
+from tapetrain.distributed import init_distributed
 from tapetrain.train.build import build_components
-from tapetrain.train.distributed import init_distributed
 from tapetrain.train.schedule import lr_at
 from tapetrain.train.trainer import NonFiniteLossError, Trainer
 

@@ -56,7 +56,7 @@ def test_compiled_layers_match_eager_on_gpu():
     x = compiled.embed(ids[:, :-1])
     pos = compiled.pe.default_positions(2, 256, 0, 0, x.device)
     ctx = compiled.pe.context(pos, pos, x.dtype)
-    state = ctx.tape_init.transpose(1, 2)  # token-major, as Transformer.forward passes it
+    state = ctx.tape_init  # token-major (B, T, M, D), as Transformer.forward passes it
     explained = torch._dynamo.explain(compiled.layers[0].forward)(x, ctx, state, compiled.pe)
     assert explained.graph_break_count == 0, explained.break_reasons  # the Triton op is opaque, not a break
     loss_e, grads_e = _loss_and_grads(eager, ids)

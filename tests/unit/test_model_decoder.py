@@ -125,6 +125,14 @@ def test_token_id_out_of_vocab_is_a_clear_error():
         build("rope")(torch.tensor([[1, 600]]))
 
 
+def test_tape_state_in_the_head_major_layout_is_a_clear_error():
+    model = build("tape")
+    b, t = TOKENS.shape
+    head_major = torch.zeros(b, model.cfg.n_heads, t, model.cfg.head_dim)  # E is token-major (B, T, M, D)
+    with pytest.raises(ValueError, match=r"token-major \(B, T, M, D\)"):
+        model(TOKENS, tape_state=head_major)
+
+
 def test_tied_embeddings_share_storage():
     model = build("rope", tie_embeddings=True)
     assert model.lm_head.weight is model.embed.weight

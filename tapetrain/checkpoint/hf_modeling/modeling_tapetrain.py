@@ -2,14 +2,16 @@
 
 Self-contained remote code: `tapetrain export-hf` copies this file and configuration_tapetrain.py next to the
 weights, and `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads it where tapetrain is not
-installed. It re-implements exactly what tapetrain/model computes (the export verifies the logits):
+installed. It re-implements exactly what tapetrain/model computes (the export verifies the logits); the blocks
+marked `# Copied from tapetrain.model.<name>` are verbatim copies that tests/unit/test_hf_copies.py keeps in step.
 
     h  = x + Attn(RMSNorm(x); E)         TAPE logits from q̃ = E^T q, k̃ = E^T k; values [V ‖ E] share one softmax
     E  = E + (A·E) ×_heads W_A            attention-side update
     m  = SwiGLU(RMSNorm(h)); x' = h + m
     E' = E + W_down(SiLU(W_x m) ⊙ W_up E) MLP-side update; the final E is dropped
 
-E is (B, M, T, D) per head and token: F = D/2 rotate-half blocks (c, s) stored as [c ‖ s]; E^(0) is RoPE.
+E is token-major, (B, T, M, D) per token and head (M = heads): F = D/2 rotate-half blocks (c, s) stored as
+[c ‖ s]; E^(0) is RoPE. Attention takes heads-first views of it, E.transpose(1, 2), as it does of q, k and v.
 Generation caches rotated keys, values, TAPE's E and the token positions per layer (`TapetrainCache`, which
 `generate` gets in place of its default DynamicCache: greedy, sampling, beam search, assisted and prompt-lookup
 decoding and left-padded batches all run with it). The baselines follow the TAPE paper's (xPos with γ = 2048,
@@ -20,6 +22,7 @@ random positions from [0, 2·max_len) in every layer, at evaluation too, except 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -35,31 +38,38 @@ ROTARY = ("rope", "randpe", "xpos")
 # ---- positions ---------------------------------------------------------------------------------------------------
 
 
-def rope_angles(positions: torch.Tensor, head_dim: int, theta: float, pi_factor: float):
-    """cos, sin of t·θ_f (t = position / pi_factor, θ_f = theta^(−2f/D)): (B, T) -> (B, T, F), float64.
+# Copied from tapetrain.model.positions.rope_angles
+def rope_angles(
+    positions: torch.Tensor, head_dim: int, theta: float, pi_factor: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of t·θ_f, t = position / pi_factor, θ_f = theta^(−2f/D); (..., T) -> (..., T, F) float64.
 
-    float64 because fp32 angles at positions in the thousands are off by ~1e-4 rad.
+    Computed in float64: fp32 angles at positions in the thousands are off by ~1e-4 rad, enough to break the
+    exact shift-invariance of TAPE that the tests check.
     """
     freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
     angles = (positions.to(torch.float64) / pi_factor)[..., None] * freqs
     return torch.cos(angles), torch.sin(angles)
 
 
+# Copied from tapetrain.model.positions.rotate_pairs
 def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the rotate-half pairs (i, i + D/2) of x (..., D) by blocks (cos, sin) (..., D/2)."""
+    """Rotate rotate-half pairs of x (..., D) by blocks (cos, sin) (..., F); broadcasting over heads/batch."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+# Copied from tapetrain.model.tape.rotate_by_state
 def rotate_by_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """x̃ = E^T x blockwise; x, E (B, M, T, D) with E = [c ‖ s]."""
+    """x̃ = E^T x blockwise: x and state E = [c ‖ s] of one shape, e.g. (B, T, M, D). For E = RoPE this is RoPE."""
     half = state.shape[-1] // 2
     return rotate_pairs(x, state[..., :half], state[..., half:])
 
 
+# Copied from tapetrain.model.positions.alibi_slopes
 def alibi_slopes(n_heads: int) -> torch.Tensor:
-    """ALiBi's geometric head slopes, with the standard interleave for non-powers of two; (H,) float64."""
+    """ALiBi's geometric head slopes (Press et al.), with the standard interleave for non-powers of two."""
 
     def power_of_two(n: int) -> list[float]:
         start = 2 ** (-(2 ** -(math.log2(n) - 3)))
@@ -73,27 +83,87 @@ def alibi_slopes(n_heads: int) -> torch.Tensor:
     return torch.tensor(slopes, dtype=torch.float64)
 
 
+# Copied from tapetrain.model.fire.FireBias
 class FireBias(nn.Module):
-    """FIRE: bias_h(i, j) = f_θ(ψ(i − j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c·x| + 1), L = |m·L₀|;
-    f_θ a 1 -> hidden -> H MLP, c (starts at 0.1) and the multiplier m (starts at 1) learned, L₀ fixed."""
+    """FIRE's attention bias f_θ(ψ(i − j) / (ψ(max(L, i)) + ε)), ψ(x) = log(|c·x| + 1), L = |m·L₀|, per head."""
 
-    def __init__(self, n_heads: int, hidden: int, init_c: float, init_threshold: float, eps: float = 1e-6):
+    def __init__(self, n_heads: int, hidden: int, init_c: float = 0.1, init_threshold: float = 512.0,
+                 eps: float = 1e-6):
         super().__init__()
         self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_heads))
         self.init_c, self.init_threshold, self.eps = init_c, init_threshold, eps
-        self.c = nn.Parameter(torch.full((1,), float(init_c)))  # (1,) like tapetrain's (DeepSpeed needs >= 1 dim)
-        self.threshold_scale = nn.Parameter(torch.ones(1))
+        # (1,), not 0-dim: deepspeed.initialize broadcasts every parameter as a byte view, which 0-dim tensors refuse
+        self.c = nn.Parameter(torch.full((1,), float(init_c)))
+        self.threshold_scale = nn.Parameter(torch.ones(1))  # the multiplier m; L = |m · L₀|
+
+    def reset_scalars(self) -> None:
+        """c and m back to their inits (the MLP's Linear layers are initialised like every other Linear)."""
+        with torch.no_grad():
+            self.c.fill_(self.init_c)
+            self.threshold_scale.fill_(1.0)
+
+    @property
+    def threshold(self) -> torch.Tensor:
+        return (self.threshold_scale * self.init_threshold).abs()
 
     def forward(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """(B, T), (B, S) positions -> (B, H, T, S) bias (the future half is causally masked later)."""
+        """Query positions (B, T), key positions (B, S) (float64) -> bias (B, H, T, S) in the MLP's dtype.
+
+        Distances are taken as |i − j| (the future half is causally masked anyway) and computed in fp32 or wider.
+        """
         dtype = torch.promote_types(self.c.dtype, torch.float32)
         c = self.c.to(dtype)
-        rel = (q_pos[:, :, None] - k_pos[:, None, :]).to(dtype)
-        threshold = (self.threshold_scale * self.init_threshold).abs().to(dtype)
-        normaliser = torch.maximum(q_pos.to(dtype), threshold)
-        scale = torch.log(torch.abs(c * normaliser) + 1)[:, :, None] + self.eps
-        normalised = torch.log(torch.abs(c * rel) + 1) / scale
-        return self.mlp(normalised.to(self.mlp[0].weight.dtype)[..., None]).permute(0, 3, 1, 2)
+        rel = (q_pos[:, :, None] - k_pos[:, None, :]).to(dtype)  # (B, T, S)
+        normaliser = torch.maximum(q_pos.to(dtype), self.threshold.to(dtype))  # (B, T)
+        distance = torch.log(torch.abs(c * rel) + 1)
+        scale = torch.log(torch.abs(c * normaliser) + 1)[:, :, None] + self.eps  # (B, T, 1)
+        weight = self.mlp[0].weight
+        return self.mlp((distance / scale).to(weight.dtype)[..., None]).permute(0, 3, 1, 2)  # (B, H, T, S)
+
+
+# Copied from tapetrain.model.randpe.randpe_limit
+def randpe_limit(max_position: int | None, max_seq_len: int) -> int:
+    return max_position or 2 * max_seq_len
+
+
+# Copied from tapetrain.model.randpe.draw_positions
+def draw_positions(length: int, limit: int, device: torch.device) -> torch.Tensor:
+    """(length,) float64: a sorted draw of `length` distinct integers from [0, max(limit, length))."""
+    return torch.randperm(max(limit, length), device=device)[:length].sort().values.to(torch.float64)
+
+
+# Copied from tapetrain.model.xpos.xpos_zeta
+def xpos_zeta(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """ζ (D,) float64: (2f + 0.4·D) / (1.4·D) for pair f, repeated for both halves of the rotate-half layout."""
+    zeta = (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) + 0.4 * head_dim) / (1.4 * head_dim)
+    return torch.cat([zeta, zeta])
+
+
+# Copied from tapetrain.model.xpos.XposDecay
+@dataclass
+class XposDecay:
+    """What one forward needs to apply the decay: ζ (D,), γ, query positions (B, T), key positions (B, S)."""
+
+    zeta: torch.Tensor
+    scale_base: float
+    q_pos: torch.Tensor
+    k_pos: torch.Tensor
+
+    @property
+    def block(self) -> int:
+        return max(1, int(self.scale_base))
+
+    def factors(self, first: int, stop: int, keys: int, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Query factors (B, 1, stop − first, D) and key factors (B, 1, keys, D) for queries [first, stop) and the
+        first `keys` keys, centred at the block's largest query position (float64)."""
+        q_pos = self.q_pos[:, first:stop]  # (B, Tb)
+        centre = q_pos.max(dim=1, keepdim=True).values  # (B, 1)
+        k_offset = centre - self.k_pos[:, :keys]  # (B, Sb): >= 0 for every key a causal query may see
+        if causal:
+            k_offset = k_offset.clamp(min=0)
+        q_factor = self.zeta ** ((q_pos - centre) / self.scale_base)[..., None]  # (B, Tb, D)
+        k_factor = self.zeta ** (k_offset / self.scale_base)[..., None]  # (B, Sb, D)
+        return q_factor[:, None], k_factor[:, None]
 
 
 def new_fire(config: TapetrainConfig) -> FireBias:
@@ -111,21 +181,15 @@ class PositionModule(nn.Module):
 
 def randpe_draw(n: int, config: TapetrainConfig, device) -> torch.Tensor:
     """(n,) float64: n sorted distinct integers from [0, max(randpe range, n)), the range 2·max_len by default."""
-    limit = config.randpe_max_position or 2 * config.max_position_embeddings
-    return torch.randperm(max(limit, n), device=device)[:n].sort().values.to(torch.float64)
-
-
-def xpos_zeta(head_dim: int, device) -> torch.Tensor:
-    zeta = (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) + 0.4 * head_dim) / (1.4 * head_dim)
-    return torch.cat([zeta, zeta])
+    return draw_positions(n, randpe_limit(config.randpe_max_position, config.max_position_embeddings), device)
 
 
 class PositionContext:
     """Per-forward positional inputs shared by all layers (see tapetrain.model.positions).
 
-    cos, sin (B, 1, T, F); xpos = (ζ (D,), γ, query positions (B, T), key positions (B, S)); bias (B, H, T, S) for
-    alibi/shared fire; tape_init (B, H, T, D) = E^(0); positions/key_positions (B, T)/(B, S) float64;
-    randpe_index (B, T) long when every layer draws its own randpe positions.
+    cos, sin (B, 1, T, F); xpos an XposDecay; bias (B, H, T, S) for alibi/shared fire; tape_init (B, T, M, D) =
+    E^(0), token-major like E everywhere; positions/key_positions (B, T)/(B, S) float64; randpe_index (B, T) long
+    when every layer draws its own randpe positions.
     """
 
     def __init__(self, positions: torch.Tensor, key_positions: torch.Tensor):
@@ -145,11 +209,11 @@ def position_context(
         cos, sin = rope_angles(positions, d, config.rope_theta, config.pi_factor)  # (B, T, F)
         if pe == "tape":
             e0 = torch.cat([cos, sin], dim=-1).to(dtype)  # (B, T, D)
-            ctx.tape_init = e0[:, None].expand(-1, config.num_attention_heads, -1, -1)
+            ctx.tape_init = e0[:, :, None].expand(-1, -1, config.num_attention_heads, -1)  # (B, T, M, D)
         else:
             ctx.cos, ctx.sin = cos[:, None].to(dtype), sin[:, None].to(dtype)
     if pe == "xpos":
-        ctx.xpos = (xpos_zeta(d, positions.device), float(config.xpos_scale_base), positions, key_positions)
+        ctx.xpos = XposDecay(xpos_zeta(d, positions.device), float(config.xpos_scale_base), positions, key_positions)
     if pe == "alibi":
         slopes = alibi_slopes(config.num_attention_heads).to(positions.device)
         dist = (positions[:, :, None] - key_positions[:, None, :]).clamp(min=0)  # (B, T, S)
@@ -164,7 +228,7 @@ def position_context(
 
 class TapetrainCache(DynamicCache):
     """DynamicCache of rotated keys (per query head for TAPE) and values, plus TAPE's state E of the cached
-    tokens per layer (one more value stream, (B, H, S, D)) and their positions (B, S) float64 (ALiBi/FIRE)."""
+    tokens per layer (one more value stream, token-major (B, S, M, D)) and their positions (B, S) float64."""
 
     def __init__(self):
         super().__init__()
@@ -173,7 +237,7 @@ class TapetrainCache(DynamicCache):
 
     def update_state(self, state: torch.Tensor, layer_idx: int) -> torch.Tensor:
         old = self.states.get(layer_idx)
-        self.states[layer_idx] = state if old is None else torch.cat([old, state], dim=-2)
+        self.states[layer_idx] = state if old is None else torch.cat([old, state], dim=1)
         return self.states[layer_idx]
 
     def extend_positions(self, new: torch.Tensor) -> torch.Tensor:
@@ -200,7 +264,7 @@ class TapetrainCache(DynamicCache):
     def crop(self, *args, **kwargs):
         super().crop(*args, **kwargs)
         length = self.get_seq_length()
-        self.states = {i: s[..., :length, :] for i, s in self.states.items()}
+        self.states = {i: s[:, :length] for i, s in self.states.items()}
         if self.positions is not None:
             self.positions = self.positions[:, :length]
 
@@ -222,33 +286,33 @@ def as_tapetrain_cache(past_key_values) -> TapetrainCache:
 # ---- layers ------------------------------------------------------------------------------------------------------
 
 
+# Copied from tapetrain.model.attention.expand_heads
 def expand_heads(x: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(B, Hx, S, D) -> (B, n_heads, S, D), repeating each head (grouped-query attention)."""
+    """(B, Hx, S, D) -> (B, n_heads, S, D) by repeating each head n_heads // Hx times (GQA)."""
     groups = n_heads // x.shape[1]
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
 
-def causal_mask(t: int, s: int, device) -> torch.Tensor:
-    """(T, S) bool, True where allowed; bottom-right aligned (query t sits at key position S − T + t)."""
-    return torch.arange(s, device=device)[None, :] <= torch.arange(s - t, s, device=device)[:, None]
+# Copied from tapetrain.model.attention.causal_mask
+def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
+    """Boolean (T, S) mask, True where attention is allowed; bottom-right aligned."""
+    q_pos = torch.arange(s - t, s, device=device)[:, None]
+    k_pos = torch.arange(s, device=device)[None, :]
+    return k_pos <= q_pos
 
 
-def xpos_attention(q, k, v, e, xpos, bias=None, key_mask=None):
+def xpos_attention(q, k, v, e, decay: XposDecay, bias=None, key_mask=None):
     """attention() with xPos's decay ζ^((p_i − p_j)/γ), query block by block (γ queries each), every block
-    centred at its largest query position c: query factors ζ^((p_i − c)/γ) ∈ [1, 3.5], key factors
-    ζ^(max(c − p_j, 0)/γ) ≤ 1, so nothing overflows at any length or dtype. q, k rotated, not yet decayed."""
-    zeta, gamma, q_pos, k_pos = xpos
+    centred at its largest query position (XposDecay.factors), so nothing overflows at any length or dtype.
+    q, k rotated, not yet decayed; causal, bottom-right aligned."""
     t, s = q.shape[2], k.shape[2]
-    block = max(1, int(gamma))
     outs, attended = [], []
-    for first in range(0, t, block):
-        stop = min(t, first + block)
-        keys = s - t + stop  # causal, bottom-right aligned: the block's last query sits at key keys − 1
-        centre = q_pos[:, first:stop].max(dim=1, keepdim=True).values
-        q_factor = (zeta ** ((q_pos[:, first:stop] - centre) / gamma)[..., None])[:, None].to(q.dtype)
-        k_factor = (zeta ** ((centre - k_pos[:, :keys]).clamp(min=0) / gamma)[..., None])[:, None].to(k.dtype)
+    for first in range(0, t, decay.block):
+        stop = min(t, first + decay.block)
+        keys = s - t + stop  # the block's last query sits at key keys − 1
+        q_factor, k_factor = decay.factors(first, stop, keys, causal=True)
         out, out_e = attention(
-            q[:, :, first:stop] * q_factor, k[:, :, :keys] * k_factor, v[:, :, :keys],
+            q[:, :, first:stop] * q_factor.to(q.dtype), k[:, :, :keys] * k_factor.to(k.dtype), v[:, :, :keys],
             None if e is None else e[:, :, :keys], None if bias is None else bias[..., first:stop, :keys],
             None if key_mask is None else key_mask[:, :keys],
         )
@@ -258,8 +322,9 @@ def xpos_attention(q, k, v, e, xpos, bias=None, key_mask=None):
 
 
 def attention(q, k, v, e=None, bias=None, key_mask=None):
-    """One softmax over values [V ‖ E]: q (B, H, T, D), k (B, Hk, S, D), v (B, Hkv, S, D), e (B, H, S, D) or None,
-    bias (B, H, T, S), key_mask (B, S) bool (False = padding). Returns (A·V, A·E or None)."""
+    """One softmax over values [V ‖ E]: q (B, H, T, D), k (B, Hk, S, D), v (B, Hkv, S, D), e (B, H, S, D) (the
+    heads-first view of the token-major E) or None, bias (B, H, T, S), key_mask (B, S) bool (False = padding).
+    Returns (A·V, A·E or None)."""
     n_heads, t, s = q.shape[1], q.shape[2], k.shape[2]
     k = expand_heads(k, n_heads)
     dv = v.shape[-1]
@@ -283,6 +348,7 @@ def attention(q, k, v, e=None, bias=None, key_mask=None):
     return (out, None) if e is None else (out[..., :dv], out[..., dv:])
 
 
+# Copied from tapetrain.model.transformer.RMSNorm
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -290,71 +356,99 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 and cast back before the weight, as Hugging Face Llama does (bit-compatible import).
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
+# Copied from tapetrain.model.transformer.SwiGLU
 class SwiGLU(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int):
+    def __init__(self, d_model: int, hidden: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_proj = nn.Linear(d_model, hidden, bias=False)
+        self.up_proj = nn.Linear(d_model, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+# Copied from tapetrain.model.tape.TapeHeadMix
 class TapeHeadMix(nn.Module):
-    """E ← E + (A·E) ×_heads W_A; W_A (M, M) ('full') or a per-head gain (M,) ('gain')."""
+    """Attention-side update E ← E + (A·E) ×_heads W_A.
+
+    'full': W_A ∈ R^{M×M} mixes heads (the paper). 'gain': a per-head scalar (what the official code realises).
+    Zero-initialised, so a fresh or retrofitted model starts as its RoPE twin.
+    """
 
     def __init__(self, n_heads: int, mode: str):
         super().__init__()
         self.mode = mode
-        self.weight = nn.Parameter(torch.zeros((n_heads, n_heads) if mode == "full" else (n_heads,)))
+        shape = (n_heads, n_heads) if mode == "full" else (n_heads,)
+        self.weight = nn.Parameter(torch.zeros(shape))
 
     def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """state, attended = A·E: (B, T, M, D) -> updated state (B, T, M, D)."""
+        weight = self.weight.to(attended.dtype)
         if self.mode == "full":
-            mixed = torch.einsum("bgtd,hg->bhtd", attended, self.weight.to(attended.dtype))
+            mixed = torch.matmul(weight, attended)  # (M, M) @ (B, T, M, D): one small product per token
         else:
-            mixed = attended * self.weight.to(attended.dtype)[None, :, None, None]
+            mixed = attended * weight[:, None]
         return state + mixed
 
 
+# Copied from tapetrain.model.tape.TapeMlpUpdate
 class TapeMlpUpdate(nn.Module):
-    """E ← E + W_down · (SiLU(W_x · m) ⊙ (W_up · E)), contractions over heads; m (B, T, C) the MLP output."""
+    """MLP-side update E ← E + W_down · (SiLU(W_x · m) ⊙ (W_up · E)), contractions over heads.
 
-    def __init__(self, hidden_size: int, n_heads: int, channels: int):
+    m is the MLP block's output for each token (B, T, C); I = channels (4·M by default). W_down starts at zero
+    (the paper's zero W2); W_x and W_up keep the normal init so W_down receives gradient from step 0.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, channels: int):
         super().__init__()
-        self.x_proj = nn.Linear(hidden_size, channels, bias=False)
-        self.up_proj = nn.Linear(n_heads, channels, bias=False)
-        self.down_proj = nn.Linear(channels, n_heads, bias=False)
+        self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
+        self.up_proj = nn.Linear(n_heads, channels, bias=False)  # W_up: M -> I
+        self.down_proj = nn.Linear(channels, n_heads, bias=False)  # W_down: I -> M
+        self.down_proj.zero_init = True  # zeroed by the weight init: a fresh model is its RoPE twin
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        """state (B, T, M, D), mlp_out (B, T, C) -> updated state (B, T, M, D)."""
         gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
-        up = torch.einsum("bmtd,im->bitd", state, self.up_proj.weight)  # (B, I, T, D)
-        hidden = up * gate.transpose(1, 2)[..., None]
-        return state + torch.einsum("bitd,mi->bmtd", hidden, self.down_proj.weight)
+        up = torch.matmul(self.up_proj.weight, state)  # (I, M) @ (B, T, M, D) -> (B, T, I, D)
+        hidden = up * gate[..., None]  # (B, T, I, D)
+        return state + torch.matmul(self.down_proj.weight, hidden)  # (M, I) @ (B, T, I, D) -> (B, T, M, D)
 
 
+# Copied from tapetrain.model.tape.TapeMlpUpdateNonEquivariant
 class TapeMlpUpdateNonEquivariant(nn.Module):
-    """The ablation without equivariance: the c and the s halves of E, each flattened over heads × frequencies
-    (M·F), get E ← E + W_down(SiLU(W_x m) ⊙ W_up ·), the same weights for both halves."""
+    """The ablation without TAPE's equivariance constraints (the official code's non-equivariant variant).
 
-    def __init__(self, hidden_size: int, n_heads: int, head_dim: int, channels: int):
+    The official variant flattens its cos and sin tensors (heads × head dim) and mixes that whole axis:
+    c ← c + W_down(SiLU(W_x m) ⊙ W_up c), the same for s, with the same weights. Here that acts on our layout: the
+    c and the s halves of E, each flattened over heads × frequencies (M·F = C/2 channels). Mixing frequencies
+    breaks O(2) equivariance and with it shift invariance. (The official code stores cos and sin with duplicated
+    halves that its update lets drift apart, i.e. general 2×2 blocks; our D-number state keeps blocks c·I + s·J.)
+    W_down starts at zero, so a fresh model is still its RoPE twin.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, head_dim: int, channels: int):
         super().__init__()
-        width = n_heads * (head_dim // 2)
-        self.x_proj = nn.Linear(hidden_size, channels, bias=False)
-        self.up_proj = nn.Linear(width, channels, bias=False)
-        self.down_proj = nn.Linear(channels, width, bias=False)
+        width = n_heads * (head_dim // 2)  # M·F
+        self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
+        self.up_proj = nn.Linear(width, channels, bias=False)  # W_up: M·F -> I
+        self.down_proj = nn.Linear(channels, width, bias=False)  # W_down: I -> M·F
+        self.down_proj.zero_init = True  # zeroed by the weight init: a fresh model is its RoPE twin
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
-        b, m, t, d = state.shape
+        """state (B, T, M, D) token-major, mlp_out (B, T, C) -> updated state (B, T, M, D)."""
+        b, t, m, d = state.shape
         gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
-        halves = state.reshape(b, m, t, 2, d // 2).permute(0, 3, 2, 1, 4).reshape(b, 2, t, m * (d // 2))
+        halves = state.reshape(b, t, m, 2, d // 2).permute(0, 3, 1, 2, 4).reshape(b, 2, t, m * (d // 2))  # c, s
         update = self.down_proj(self.up_proj(halves) * gate[:, None])  # (B, 2, T, M·F)
-        return state + update.view(b, 2, t, m, d // 2).permute(0, 3, 2, 1, 4).reshape(b, m, t, d)
+        update = update.view(b, 2, t, m, d // 2).permute(0, 2, 3, 1, 4).reshape(b, t, m, d)
+        return state + update
 
 
 def randpe_rotation(ctx: PositionContext, config: TapetrainConfig, dtype):
@@ -379,30 +473,34 @@ class TapetrainAttention(nn.Module):
 
     def forward(self, x, ctx: PositionContext, state, cache: TapetrainCache | None, key_mask, bias=None):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        e_values = None
-        if state is not None:  # TAPE: E is per query head, so keys are expanded before rotation
-            k = rotate_by_state(expand_heads(k, self.n_heads), state)
-            q = rotate_by_state(q, state)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        e_values = None  # E as extra value channels (B, S, M, D), for layers that update it
+        if state is not None:  # TAPE: E (B, T, M, D) is per query head, so keys are expanded before rotation
+            groups = self.n_heads // self.n_kv
+            k = rotate_by_state(k.repeat_interleave(groups, dim=2) if groups > 1 else k, state).transpose(1, 2)
+            q = rotate_by_state(q, state).transpose(1, 2)
             e_values = state if self.tape_mix is not None else None
-        elif ctx.randpe_index is not None:  # randpe, drawing per layer: this layer's own positions
-            cos, sin = randpe_rotation(ctx, self.config, q.dtype)
-            q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
-        elif ctx.cos is not None:
-            q, k = rotate_pairs(q, ctx.cos, ctx.sin), rotate_pairs(k, ctx.cos, ctx.sin)
+        else:
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, Hkv, T, D)
+            if ctx.randpe_index is not None:  # randpe, drawing per layer: this layer's own positions
+                cos, sin = randpe_rotation(ctx, self.config, q.dtype)
+                q, k = rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
+            elif ctx.cos is not None:
+                q, k = rotate_pairs(q, ctx.cos, ctx.sin), rotate_pairs(k, ctx.cos, ctx.sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
             if e_values is not None:
                 e_values = cache.update_state(e_values, self.layer_idx)
+        e_values = e_values.transpose(1, 2) if e_values is not None else None  # (B, M, S, D) view
         if ctx.xpos is not None:
             out, attended = xpos_attention(q, k, v, e_values, ctx.xpos, bias=bias, key_mask=key_mask)
         else:
             out, attended = attention(q, k, v, e_values, bias=bias, key_mask=key_mask)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
-            state = self.tape_mix(state, attended)
+            state = self.tape_mix(state, attended.transpose(1, 2))  # A·E back to token-major (B, T, M, D)
         return out, state
 
 
@@ -463,11 +561,10 @@ class TapetrainPreTrainedModel(PreTrainedModel):
             nn.init.ones_(module.weight)
         elif isinstance(module, TapeHeadMix):
             nn.init.zeros_(module.weight)
-        elif isinstance(module, (TapeMlpUpdate, TapeMlpUpdateNonEquivariant)):
-            nn.init.zeros_(module.down_proj.weight)  # zero W_down: the RoPE twin at init
         elif isinstance(module, FireBias):
-            module.c.fill_(module.init_c)
-            module.threshold_scale.fill_(1.0)
+            module.reset_scalars()
+        if isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
+            nn.init.zeros_(module.weight)  # TAPE's W_down: the RoPE twin at init
 
 
 class TapetrainModel(TapetrainPreTrainedModel):
