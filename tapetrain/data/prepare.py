@@ -257,7 +257,7 @@ def prepare(
     tok = Tokenizer(tokenizer_path)
     if tok.eos_id < 0:
         raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS, "
-                        "so use a model trained with eos_id >= 0 (e.g. `tapetrain tokenizer train`)")
+                        "so use a model trained with eos_id >= 0 (e.g. `tapetrain data tokenizer`)")
     dtype = fmt.token_dtype(tok.vocab_size)
     sources = expand_inputs(inputs)  # fail on bad globs before touching out_dir
     out_dir = os.path.abspath(out_dir)

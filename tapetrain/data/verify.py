@@ -1,4 +1,4 @@
-"""`tapetrain verify DIR`: every shard's sha256 against the manifest and every token id against the vocabulary.
+"""`tapetrain data verify DIR`: every shard's sha256 against the manifest and every token id against the vocabulary.
 
 Opening a dataset for training only checks shard sizes (and ids of small shards), because hashing terabytes at
 every start is too slow; a flipped byte inside a shard passes that. This reads every byte once (sha256 and the
@@ -39,7 +39,7 @@ def verify_dataset(path: str, progress: bool = True) -> list[str]:
 
 
 def _verify_example_store(path: str, progress: bool) -> list[str]:
-    """An example store (tapetrain arith/scrolls data): per split, its tokens file (sha256, ids < vocab) and its
+    """An example store (tapetrain data arith/scrolls): per split, its tokens file (sha256, ids < vocab) and its
     index file (sha256; (num_examples, 3) int64 rows, not token ids)."""
     manifest = examples.read_manifest(path)
     dtype, vocab = examples.DTYPES[manifest["dtype"]], int(manifest["vocab_size"])
@@ -97,4 +97,4 @@ def require_verified(paths: list[str], progress: bool = True) -> None:
     if found:
         shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
         raise DataError(f"data.verify: {len(found)} problem(s) in the training data: {shown}. Restore the files from "
-                        "a good copy or re-run `tapetrain prepare` into a fresh directory")
+                        "a good copy or re-run `tapetrain data prepare` into a fresh directory")

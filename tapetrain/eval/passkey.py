@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from tapetrain.errors import InputError
 from tapetrain.eval import passkey_reference as ref
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_passkey_table, plot_passkey, write_json_atomic
@@ -73,7 +75,7 @@ def build_prompt(tokenizer, length: int, seed: int, trial: int) -> PasskeyPrompt
     task, filler, key, question = encode(TASK), encode(FILLER), encode(key_line(pass_key)), encode(QUESTION)
     fixed = len(bos) + len(task) + len(key) + len(question)
     if fixed > length:
-        raise ValueError(f"passkey length {length} is too short: the task, key line and question alone take "
+        raise InputError(f"passkey length {length} is too short: the task, key line and question alone take "
                          f"{fixed} tokens with this tokenizer; use lengths >= {fixed + len(filler)}")
     total = (length - fixed) // len(filler)
     before = int(rng.integers(0, total + 1))
@@ -85,7 +87,7 @@ def build_prompt(tokenizer, length: int, seed: int, trial: int) -> PasskeyPrompt
 def evaluate_passkey(model: EvalModel, tokenizer, lengths: list[int], trials: int = 20, seed: int = 0) -> list[dict]:
     """One result per length: {length, accuracy, correct, trials, prompt_tokens, records: [per trial]}."""
     if trials < 1:
-        raise ValueError(f"--trials must be >= 1, got {trials}")
+        raise InputError(f"--trials must be >= 1, got {trials}")
     results = []
     for length in lengths:
         if model.max_seq_len and length > model.max_seq_len:
@@ -126,7 +128,7 @@ def evaluate_reference_passkey(
     settings = ref.REFERENCES[protocol]
     trials = settings.trials if trials is None else trials
     if trials < 1:
-        raise ValueError(f"--trials must be >= 1, got {trials}")
+        raise InputError(f"--trials must be >= 1, got {trials}")
     results = []
     for n_garbage in ref.garbage_schedule(max_tokens or settings.max_tokens, interval):
         records = []
@@ -163,16 +165,16 @@ def evaluate_reference_passkey(
 def resolve_passkey_args(protocol: str, lengths, seed, max_tokens, interval) -> None:
     """Each protocol's own knobs only: --lengths/--seed for tapetrain, --max-tokens/--interval for the references."""
     if protocol not in PROTOCOLS:
-        raise ValueError(f"unknown passkey protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+        raise InputError(f"unknown passkey protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
     if protocol == "tapetrain":
         for name, value in (("--max-tokens", max_tokens), ("--interval", interval)):
             if value is not None:
-                raise ValueError(f"{name} applies to the reference protocols (tape, longlora); --protocol "
+                raise InputError(f"{name} applies to the reference protocols (tape, longlora); --protocol "
                                  "tapetrain takes --lengths")
     else:
         for name, value in (("--lengths", lengths), ("--seed", seed)):
             if value is not None:
-                raise ValueError(f"{name} applies to --protocol tapetrain; the {protocol} protocol sets its lengths "
+                raise InputError(f"{name} applies to --protocol tapetrain; the {protocol} protocol sets its lengths "
                                  "with --max-tokens/--interval and seeds its trials 0..trials-1, as its script")
 
 
@@ -180,18 +182,40 @@ def run_eval_passkey(
     model_path: str,
     lengths: list[int] | None = None,
     *,
-    protocol: str = "tape",
+    protocol: Literal["tape", "longlora", "tapetrain"] = "tape",
     trials: int | None = None,
     seed: int | None = None,
     max_tokens: int | None = None,
     interval: int | None = None,
     tokenizer: str | None = None,
-    dtype: str = "fp32",
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
     step: int | None = None,
     out: str | None = None,
     plot: str | None = None,
 ) -> dict:
-    """The `tapetrain eval-passkey` job: load, run every length, write JSON/PNG and print a table."""
+    """Passkey retrieval across context lengths: a pass key hidden in filler text, then asked for.
+
+    The `tapetrain eval passkey` job (the TAPE repository's or LongLoRA's protocol, or ours): load, run every
+    length, write JSON/PNG and print a table.
+
+    Args:
+        model_path: Hugging Face export directory or run directory
+        lengths: tapetrain protocol: prompt lengths in tokens (default 1024,2048,4096,8192)
+        protocol: tape = the TAPE repository's eval_retrieval.py, the TAPE paper's passkey figure (20 trials,
+            --max-tokens 8192); longlora = LongLoRA's passkey_retrivial.py (10 trials, --max-tokens 32000); both:
+            filler of int(3.75*i*interval//1024*1024) characters at length point i, seeds 0..trials-1, token
+            match. tapetrain = ours (target token --lengths, key on sentence boundaries; not comparable with the
+            papers)
+        trials: trials per length (default: 20 for tape and tapetrain, 10 for longlora)
+        seed: tapetrain protocol: seed of keys and positions (default 0)
+        max_tokens: tape/longlora: the scripts' --max_tokens (length points = max_tokens // interval)
+        interval: tape/longlora: the scripts' --interval (default 1000)
+        tokenizer: sentencepiece .model (default: the model's)
+        dtype: compute dtype (the references ran fp16)
+        step: run directories: checkpoint step (default newest)
+        out: result JSON
+        plot: PNG of accuracy vs length
+    """
     from tapetrain.data.tokenizer import Tokenizer
 
     resolve_passkey_args(protocol, lengths, seed, max_tokens, interval)
@@ -199,11 +223,11 @@ def run_eval_passkey(
     seed_eval()
     path = tokenizer or model.tokenizer
     if not path:
-        raise ValueError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the model "
+        raise InputError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the model "
                          "was trained with)")
     tok = Tokenizer(path)
     if tok.vocab_size > model.vocab_size:
-        raise ValueError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's vocab_size is "
+        raise InputError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's vocab_size is "
                          f"{model.vocab_size}; pass the tokenizer the model was trained with")
     report = {"model": model.name, "model_kind": model.kind, "tokenizer": tok.path, "protocol": protocol,
               "dtype": dtype, "trained_context": model.max_seq_len}

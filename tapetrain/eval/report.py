@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 
+from tapetrain.errors import InputError, MissingInputError
 from tapetrain.file_modes import use_umask_mode
 
 
@@ -28,11 +29,11 @@ def write_json_atomic(path: str, obj: dict) -> None:
 
 def read_json(path: str) -> dict:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"result file {path} does not exist; pass JSON files written with --out")
+        raise MissingInputError(f"result file {path} does not exist; pass JSON files written with --out")
     with open(path) as f:
         report = json.load(f)
     if not isinstance(report, dict) or not isinstance(report.get("results"), list):
-        raise ValueError(f"{path} is not an eval result (no 'results' list); pass JSON files written with --out")
+        raise InputError(f"{path} is not an eval result (no 'results' list); pass JSON files written with --out")
     return report
 
 
@@ -110,10 +111,10 @@ def _line_plot(reports: list[dict], key: str, ylabel: str, title: str, out_png: 
 
 
 def plot_ppl(results: list[dict], out_png: str) -> None:
-    """PPL vs context length, one line per eval-ppl result dict (dotted lines mark the training contexts)."""
+    """PPL vs context length, one line per `eval ppl` result dict (dotted lines mark the training contexts)."""
     _line_plot(results, "ppl", "perplexity", "Perplexity vs context length", out_png, log_y=True)
 
 
 def plot_passkey(results: list[dict], out_png: str) -> None:
-    """Passkey accuracy vs context length, one line per eval-passkey result dict."""
+    """Passkey accuracy vs context length, one line per `eval passkey` result dict."""
     _line_plot(results, "accuracy", "passkey accuracy", "Passkey retrieval", out_png, log_y=False)

@@ -97,7 +97,7 @@ def check_before_start(cfg, env: DistEnv, model_config: ModelConfig) -> StartChe
         if checkpoint:
             resume_checks.check_same_model(checkpoint, model_config, run_dir)
         if not cfg.data.train:
-            raise ConfigError("data.train is empty; point it at a directory written by `tapetrain prepare`")
+            raise ConfigError("data.train is empty; point it at a directory written by `tapetrain data prepare`")
         seq_len, vocab = cfg.data.seq_len, model_config.vocab_size
         train = open_dataset(_data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=vocab, seed=cfg.run.seed,
                              packing=cfg.data.packing)
@@ -200,8 +200,8 @@ def _discard_universal(universal: Path, env: DistEnv) -> None:
 
 
 def _with_example_tokenizer(cfg):
-    """data.tokenizer defaults to the tokenizer.model inside an example store (arith/scrolls data), so the run's
-    config.yaml names it and export-hf / the eval tools decode without being told."""
+    """data.tokenizer defaults to the tokenizer.model inside an example store (data arith/scrolls), so the run's
+    config.yaml names it and `tapetrain export hf` / the eval tools decode without being told."""
     from tapetrain.data.examples import tokenizer_of
 
     if cfg.data.tokenizer or not cfg.data.train:

@@ -1,14 +1,13 @@
 """Our own passkey protocol (--protocol tapetrain) end to end on a tiny model with a tiny sentencepiece tokenizer
 (accuracy is whatever it is). The reference protocols are in test_eval_passkey_reference.py."""
 
-import argparse
 import json
 
 import pytest
 from test_hf_runs import passkey_run_and_export
 
+from tapetrain.cli import main
 from tapetrain.data.tokenizer import Tokenizer
-from tapetrain.eval.cli import add_eval_passkey_parser
 from tapetrain.eval.passkey import MAX_PASS_KEY, build_prompt, key_line, run_eval_passkey
 
 LENGTHS = [128, 256]  # 256 > the tiny model's 128-token context: extrapolation
@@ -44,13 +43,10 @@ def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path, caplog):
     run, hf, _ = setup
     reports = {}
     for name, model in (("run", run), ("hf", hf)):
-        parser = argparse.ArgumentParser()
-        add_eval_passkey_parser(parser.add_subparsers())
-        args = parser.parse_args(["eval-passkey", str(model), "--protocol", "tapetrain",
-                                  "--lengths", ",".join(map(str, LENGTHS)), "--trials", "3",
-                                  "--out", str(tmp_path / f"{name}.json"),
-                                  "--plot", str(tmp_path / f"{name}.png")])
-        assert args.func(args) == 0
+        assert main(["eval", "passkey", str(model), "--protocol", "tapetrain",
+                     "--lengths", ",".join(map(str, LENGTHS)), "--trials", "3",
+                     "--out", str(tmp_path / f"{name}.json"),
+                     "--plot", str(tmp_path / f"{name}.png")]) == 0
         reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
     report = reports["hf"]
