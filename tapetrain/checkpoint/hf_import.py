@@ -101,9 +101,9 @@ def find_weight_files(hf_dir: str) -> list[str]:
 
 def iter_weights(files: list[str], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) over every weight file, one file in memory at a time; `progress`: a bar over the files."""
-    from tqdm import tqdm
+    from tapetrain.progress import progress as progress_bar
 
-    for path in tqdm(files, desc="loading weight shards", unit="shard", disable=not progress, dynamic_ncols=True):
+    for path in progress_bar(files, desc="loading weight shards", unit="shard", disable=not progress):
         if path.endswith(".safetensors"):
             from safetensors import safe_open
 

@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from tapetrain.data.char_vocab import BOS_ID, EOS_ID, PAD_ID, SPECIALS, write_char_vocab
 from tapetrain.data.errors import DataError
 from tapetrain.data.examples import TOKENIZER_FILE, ExampleWriter, example_dir_writer, write_manifest
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +195,7 @@ def write_arith_data(out_dir: str, max_digits: int = 20, eval_max_digits: int = 
         dropped = 0
         counts = np.zeros((max_digits, max_digits), dtype=np.int64)  # training examples per (len_a, len_b)
         generation_start = time.perf_counter()
-        bar = tqdm(total=train_examples, desc="data arith", unit="ex", unit_scale=True, disable=not progress,
-                   dynamic_ncols=True)
+        bar = progress_bar(total=train_examples, desc="data arith", unit="ex", unit_scale=True, disable=not progress)
         with bar:
             while writer.num_examples < train_examples:
                 n = min(CHUNK, train_examples - writer.num_examples)

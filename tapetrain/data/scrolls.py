@@ -31,11 +31,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Literal
 
-from tqdm import tqdm
-
 from tapetrain.data.errors import DataError
 from tapetrain.data.examples import TOKENIZER_FILE, ExampleWriter, example_dir_writer, write_manifest
 from tapetrain.data.sources import expand_inputs, parse_hf_spec
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -195,7 +194,7 @@ def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, 
     truncated_prompts = truncated_answers = 0
     with example_dir_writer(out_dir, overwrite) as tmp:
         writer = ExampleWriter(tmp, "train", tok.vocab_size)
-        bar = tqdm(desc=f"scrolls {task}", unit="record", disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(desc=f"data scrolls {task}", unit="record", disable=not progress)
         with bar:
             for record in iter_records(sources):
                 if record.output is None:

@@ -11,11 +11,11 @@ import hashlib
 import os
 
 import numpy as np
-from tqdm import tqdm
 
 from tapetrain.data import examples
 from tapetrain.data import format as fmt
 from tapetrain.data.errors import DataError
+from tapetrain.progress import progress as progress_bar
 
 BLOCK = 1 << 22  # bytes per read; a multiple of every token width
 
@@ -31,8 +31,8 @@ def verify_dataset(path: str, progress: bool = True) -> list[str]:
     shards = [s for split in manifest.get("splits", {}).values() for s in split.get("shards", [])]
     total = sum(s["num_tokens"] * dtype.itemsize for s in shards)
     problems = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
-              disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
+                      disable=not progress) as bar:
         for shard in shards:
             problems += _verify_shard(path, shard, dtype, vocab, bar)
     return problems
@@ -52,14 +52,14 @@ def _verify_example_store(path: str, progress: bool) -> list[str]:
                       np.dtype("<i8"), None))
     total = sum(f["num_tokens"] * d.itemsize for f, d, _ in files)
     problems = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
-              disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
+                      disable=not progress) as bar:
         for file, file_dtype, file_vocab in files:
             problems += _verify_shard(path, file, file_dtype, file_vocab, bar)
     return problems
 
 
-def _verify_shard(root: str, shard: dict, dtype: np.dtype, vocab: int | None, bar: tqdm) -> list[str]:
+def _verify_shard(root: str, shard: dict, dtype: np.dtype, vocab: int | None, bar) -> list[str]:
     """Size, sha256 and (when `vocab` is given) token ids < vocab of one file listed in a manifest."""
     file = os.path.join(root, shard["file"])
     want = shard["num_tokens"] * dtype.itemsize

@@ -16,7 +16,6 @@ from typing import Literal
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tapetrain.data.arith import DIGIT0, VOCAB_SIZE, problem_ids, read_eval_grid
 from tapetrain.data.char_vocab import EOS_ID
@@ -25,6 +24,7 @@ from tapetrain.eval.decoding import Continuation, generate
 from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
 from tapetrain.eval.models import EvalModel, load_eval_model
 from tapetrain.eval.report import write_json_atomic
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -115,8 +115,8 @@ def evaluate_arith(model: EvalModel, problems: list[dict], train_max_digits: int
     for k in mine:
         by_length[sum(keys[k])].extend((k, p) for p in cells[keys[k]])
     counts = np.zeros((len(keys), 2))  # (cells, [correct, n])
-    bar = tqdm(total=sum(len(group) for group in by_length.values()), desc="eval arith", unit="problem",
-               disable=not ranks.is_main, dynamic_ncols=True)
+    bar = progress_bar(total=sum(len(group) for group in by_length.values()), desc="eval arith", unit="problem",
+                       disable=not ranks.is_main)
     start = time.perf_counter()
     with bar:
         for _, group in sorted(by_length.items()):

@@ -17,17 +17,19 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tapetrain.errors import InputError
 from tapetrain.eval import passkey_reference as ref
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_passkey_table, plot_passkey, write_json_atomic
+from tapetrain.progress import _duration
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -84,17 +86,49 @@ def build_prompt(tokenizer, length: int, seed: int, trial: int) -> PasskeyPrompt
                          len(key), before, total)
 
 
+class PromptClock:
+    """The job's size before it starts, one progress bar over all prompts (weighted by prompt tokens, so that its
+    rate and ETA hold as the prompts grow), and one ETA line once the first length point is done."""
+
+    def __init__(self, tokens_per_length: list[int], trials: int, what: str):
+        self.prompts, self.done = len(tokens_per_length) * trials, 0
+        total = sum(tokens_per_length) * trials
+        log.info("passkey: %d prompts (%d lengths x %d trials, %s), about %s prompt tokens; the time left is "
+                 "estimated after the first length", self.prompts, len(tokens_per_length), trials, what, f"{total:,}")
+        self.bar = progress_bar(total=total, desc="passkey", unit="tok", unit_scale=True)
+        self.start = time.perf_counter()
+        self.eta_said = False
+
+    def prompt_done(self, tokens: int) -> None:
+        self.bar.update(tokens)
+        self.done += 1
+
+    def length_done(self) -> None:
+        if self.eta_said or self.done == self.prompts:
+            return
+        self.eta_said = True
+        elapsed = time.perf_counter() - self.start
+        rate = self.bar.n / elapsed
+        log.info("passkey: %d of %d prompts in %s; ETA %s at the measured %.0f prompt tokens/s (longer prompts may "
+                 "run slower per token)", self.done, self.prompts, _duration(elapsed),
+                 _duration((self.bar.total - self.bar.n) / rate), rate)
+
+    def close(self) -> None:
+        self.bar.close()
+
+
 def evaluate_passkey(model: EvalModel, tokenizer, lengths: list[int], trials: int = 20, seed: int = 0) -> list[dict]:
     """One result per length: {length, accuracy, correct, trials, prompt_tokens, records: [per trial]}."""
     if trials < 1:
         raise InputError(f"--trials must be >= 1, got {trials}")
     results = []
+    clock = PromptClock(lengths, trials, f"lengths {min(lengths)}..{max(lengths)} tokens")
     for length in lengths:
         if model.max_seq_len and length > model.max_seq_len:
             log.warning("passkey length %d > the model's training context %d: evaluating extrapolation", length,
                         model.max_seq_len)
         records = []
-        for trial in tqdm(range(trials), desc=f"passkey@{length}", unit="trial", dynamic_ncols=True):
+        for trial in range(trials):
             prompt = build_prompt(tokenizer, length, seed, trial)
             new = model.generate_greedy(torch.tensor([prompt.ids]), len(prompt.answer_ids))
             generated = tokenizer.decode(new.tolist())
@@ -108,6 +142,8 @@ def evaluate_passkey(model: EvalModel, tokenizer, lengths: list[int], trials: in
                 "generated": generated,
                 "correct": generated.strip() == str(prompt.pass_key),
             })
+            clock.prompt_done(length)
+        clock.length_done()
         correct = sum(r["correct"] for r in records)
         sizes = [r["prompt_tokens"] for r in records]
         if min(sizes) < length:  # the filler comes in whole sentences: say that the length is met from below
@@ -116,6 +152,7 @@ def evaluate_passkey(model: EvalModel, tokenizer, lengths: list[int], trials: in
                      len(tokenizer.encode(FILLER)), length)
         results.append({"length": length, "accuracy": correct / trials, "correct": correct, "trials": trials,
                         "prompt_tokens": max(sizes), "records": records})
+    clock.close()
     return results
 
 
@@ -130,10 +167,13 @@ def evaluate_reference_passkey(
     if trials < 1:
         raise InputError(f"--trials must be >= 1, got {trials}")
     results = []
-    for n_garbage in ref.garbage_schedule(max_tokens or settings.max_tokens, interval):
+    schedule = ref.garbage_schedule(max_tokens or settings.max_tokens, interval)
+    # ~3.75 filler characters per token: the schedule's own assumption (n_garbage = 3.75·tokens)
+    clock = PromptClock([int(n / 3.75) for n in schedule], trials, f"the {protocol} protocol, filler of "
+                        f"{schedule[0]:,}..{schedule[-1]:,} characters")
+    for n_garbage in schedule:
         records = []
-        for seed in tqdm(range(trials), desc=f"passkey[{protocol}] {n_garbage} chars", unit="trial",
-                         dynamic_ncols=True):
+        for seed in range(trials):
             trial = ref.reference_trial(n_garbage, seed)
             ids, answer = ref.reference_ids(tokenizer, trial)
             # The scripts generate with use_cache=False and no minimum length: an early EOS is simply a miss.
@@ -151,6 +191,8 @@ def evaluate_reference_passkey(
                 "generated": tokenizer.decode(generated),
                 "correct": generated == answer,
             })
+            clock.prompt_done(len(ids))
+        clock.length_done()
         correct = sum(r["correct"] for r in records)
         length = sum(r["prompt_tokens"] for r in records) // trials  # the scripts' avg_tokens
         if model.max_seq_len and length > model.max_seq_len:
@@ -159,6 +201,7 @@ def evaluate_reference_passkey(
         results.append({"length": length, "n_garbage": n_garbage, "accuracy": correct / trials, "correct": correct,
                         "trials": trials, "prompt_tokens": max(r["prompt_tokens"] for r in records),
                         "records": records})
+    clock.close()
     return results
 
 

@@ -13,7 +13,6 @@ from typing import Literal
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from tapetrain.errors import InputError
 from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
@@ -21,6 +20,7 @@ from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json, write_json_atomic
 from tapetrain.eval.tokens import EvalTokens, open_eval_tokens
 from tapetrain.eval.windows import LONGLORA_EVAL_BATCH, Window, aggregate, make_windows, tokens_needed
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -32,8 +32,8 @@ def score_windows(
 ) -> list[float]:
     """NLL sum (nats) of each window's scored predictions, batch_size windows per forward."""
     nll: list[float] = []
-    bar = tqdm(total=sum(w.tokens for w in windows), unit="tok", unit_scale=True, disable=not show,
-               desc=f"ppl@{length}", dynamic_ncols=True)
+    bar = progress_bar(total=sum(w.tokens for w in windows), unit="tok", unit_scale=True, disable=not show,
+                       desc=f"ppl@{length}")
     for i in range(0, len(windows), batch_size):
         batch = windows[i:i + batch_size]
         chunks = [tokens.read(w.start, w.start + max(length, w.score_to + 1)) for w in batch]

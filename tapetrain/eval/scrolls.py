@@ -17,7 +17,6 @@ import time
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 
 from tapetrain.data.scrolls import TASKS, PromptBuilder, ScrollsTask, iter_records, references_by_id
 from tapetrain.errors import InputError, MissingInputError
@@ -26,6 +25,7 @@ from tapetrain.eval.distributed import EvalRanks, init_eval_ranks
 from tapetrain.eval.models import EvalModel, load_eval_model
 from tapetrain.eval.report import write_json_atomic
 from tapetrain.eval.scrolls_metrics import TASK_METRIC, score
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -51,7 +51,7 @@ def generate_predictions(model: EvalModel, tokenizer, task: str, inputs: dict[st
     mine = list(range(ranks.rank, len(ids), ranks.world_size))
     out: dict[str, str] = {}
     new_tokens, start = 0, time.perf_counter()
-    bar = tqdm(mine, desc=f"eval scrolls {task}", unit="example", disable=not ranks.is_main, dynamic_ncols=True)
+    bar = progress_bar(mine, desc=f"eval scrolls {task}", unit="example", disable=not ranks.is_main)
     for index in bar:
         prompt, _ = builder.prompt(inputs[ids[index]])
         torch.manual_seed(seed * 1_000_003 + index)  # transformers samples from the global generator

@@ -190,8 +190,7 @@ class Trainer:
     @torch.no_grad()
     def validate(self) -> dict:
         """Token-weighted mean loss over the same validation samples on any number of ranks (train/validation)."""
-        from tqdm import tqdm
-
+        from tapetrain.progress import progress as progress_bar
         from tapetrain.train.validation import eval_sample_count, rank_val_batches
 
         dataset = self.c.val_dataset
@@ -200,8 +199,7 @@ class Trainer:
         started = time.perf_counter()
         self.engine.eval()
         nll, count = 0.0, 0.0
-        bar = tqdm(batches, desc=f"validation @ step {self.step}", unit="batch", disable=not self.env.is_main,
-                   mininterval=1.0, dynamic_ncols=True)
+        bar = progress_bar(batches, desc=f"validation @ step {self.step}", unit="batch", disable=not self.env.is_main)
         for indices, weight in bar:
             inputs, labels = inputs_and_labels(read_batch(dataset, indices).to(self.env.device))
             out = self.engine(inputs, labels=labels)  # mean loss over the scored (label != -100) tokens
