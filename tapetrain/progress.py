@@ -35,10 +35,10 @@ def _number(value: float, scale: bool) -> str:
 
 
 def _amount(value: float, unit: str, scale: bool) -> str:
-    return f"{_number(value, scale)}{unit}" if scale else f"{_number(value, scale)} {unit}"
+    return f"{_number(value, scale)}{'' if unit == 'B' else ' '}{unit}"  # 1.2MB, 1.2M tok, 150 doc
 
 
-def _duration(seconds: float) -> str:
+def format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:
         return f"{seconds}s"
@@ -93,7 +93,7 @@ class PlainProgress:
         parts = [f"{_number(self.n, self.scale)}/{done_total} ({self.n / self.total:.0%})" if self.total
                  else done, f"{_amount(rate, self.unit, self.scale)}/s"]
         if self.total and rate > 0:
-            parts.append(f"ETA {_duration((self.total - self.n) / rate)}")
+            parts.append(f"ETA {format_duration((self.total - self.n) / rate)}")
         if self.postfix:
             parts.append(self.postfix)
         return ", ".join(parts)
@@ -108,4 +108,4 @@ class PlainProgress:
         self.closed = True
         elapsed = self.clock() - self.start
         rate = f" ({_amount(self.n / elapsed, self.unit, self.scale)}/s)" if elapsed > 0 else ""
-        self._write(f"done, {_amount(self.n, self.unit, self.scale)} in {_duration(elapsed)}{rate}")
+        self._write(f"done, {_amount(self.n, self.unit, self.scale)} in {format_duration(elapsed)}{rate}")

@@ -28,7 +28,7 @@ from tapetrain.errors import InputError
 from tapetrain.eval import passkey_reference as ref
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_passkey_table, plot_passkey, write_json_atomic
-from tapetrain.progress import _duration
+from tapetrain.progress import format_duration
 from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
@@ -110,8 +110,8 @@ class PromptClock:
         elapsed = time.perf_counter() - self.start
         rate = self.bar.n / elapsed
         log.info("passkey: %d of %d prompts in %s; ETA %s at the measured %.0f prompt tokens/s (longer prompts may "
-                 "run slower per token)", self.done, self.prompts, _duration(elapsed),
-                 _duration((self.bar.total - self.bar.n) / rate), rate)
+                 "run slower per token)", self.done, self.prompts, format_duration(elapsed),
+                 format_duration((self.bar.total - self.bar.n) / rate), rate)
 
     def close(self) -> None:
         self.bar.close()

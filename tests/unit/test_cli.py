@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
 import pytest
@@ -121,3 +124,22 @@ def test_train_takes_the_launcher_rank_and_overrides_after_options(capsys) -> No
     assert main(["train", config, "--print-config", "--world-size", "2", "train.steps=9"]) == 0
     out = capsys.readouterr().out
     assert "(9 steps)" in out and "ranks: 2" in out
+
+
+@pytest.mark.parametrize(("script", "command"), [("tools/convert_to_hf.py", "export hf"),
+                                                 ("tools/eval_ppl.py", "eval ppl"),
+                                                 ("tools/eval_passkey.py", "eval passkey")])
+def test_tool_scripts_are_shims_over_the_cli(script: str, command: str, capsys) -> None:
+    proc = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with pytest.raises(SystemExit):
+        main([*command.split(), "--help"])
+    same = capsys.readouterr().out  # the command's own help, under the script's name
+    assert proc.stdout.startswith(f"usage: {script} ")
+    assert proc.stdout.split("\n\n", 1)[1] == same.split("\n\n", 1)[1]
+
+
+def test_scrolls_task_choices_are_the_tasks() -> None:
+    from tapetrain.data.scrolls import TASKS, ScrollsTask
+
+    assert sorted(typing.get_args(ScrollsTask)) == sorted(TASKS)
