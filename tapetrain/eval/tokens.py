@@ -125,7 +125,7 @@ def open_eval_tokens(
                          "drop it")
     if not os.path.exists(path):
         raise MissingInputError(f"eval data {path} does not exist; pass a flat .bin token file, a `tapetrain "
-                                "prepare` output directory or a text file")
+                                "data prepare` output directory or a text file")
     try:
         if os.path.isdir(path):
             return _open_shards(path, token_dtype, split)
