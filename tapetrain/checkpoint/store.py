@@ -17,12 +17,16 @@ import re
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tapetrain.checkpoint import disk
 from tapetrain.distributed import DistEnv, barrier
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 log = logging.getLogger("tapetrain.checkpoint")
 
@@ -97,8 +101,8 @@ def restore_rng(state: dict) -> None:
 
 
 def save_checkpoint(
-    engine, run_dir: Path, step: int, trainer_state: dict, model_config: dict, env: DistEnv, keep_last: int | None,
-    run_config_yaml: str | None = None,
+    engine: DeepSpeedEngine, run_dir: Path, step: int, trainer_state: dict, model_config: dict, env: DistEnv,
+    keep_last: int | None, run_config_yaml: str | None = None,
 ) -> Path:
     """Collective: every rank calls it. Returns the final checkpoint directory.
 

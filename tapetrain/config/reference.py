@@ -1,6 +1,6 @@
 """Generate the configuration reference (markdown) from the config dataclasses' field help texts.
 
-python -m tapetrain.config.reference > docs/config-reference.md
+tools/gen_config_reference.py writes it to docs/config-reference.md (a test fails when that file is stale).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from typing import Any
 
 import yaml
 
-from tapetrain.config.fields import field_help
 from tapetrain.config.run_config import RunConfig
 from tapetrain.config.sections import DataSource, LoraSection, ModelSection, ProfileSection, WandbSection
 from tapetrain.config.typed import type_name
+from tapetrain.fields import field_help
 
 INTRO = """\
 A run is one YAML file with the sections below; `tapetrain train CONFIG.yaml KEY=VALUE ...` overrides any
@@ -54,7 +54,7 @@ def render_section(name: str, cls: type) -> str:
     """One markdown table: key, type, default, description."""
     hints = typing.get_type_hints(cls)
     doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-    lines = [f"### `{name}`", "", doc, "", "| Key | Type | Default | Description |", "|---|---|---|---|"]
+    lines = [f"## `{name}`", "", doc, "", "| Key | Type | Default | Description |", "|---|---|---|---|"]
     for f in _ordered_fields(cls):
         shown = f.metadata.get("type") or type_name(hints[f.name])
         lines.append(
@@ -66,7 +66,7 @@ def render_section(name: str, cls: type) -> str:
 def render_reference() -> str:
     """The full configuration reference: an introduction and one table per section."""
     hints = typing.get_type_hints(RunConfig)
-    parts = ["## Configuration reference", "", INTRO]
+    parts = ["# Configuration reference", "", INTRO]
     for f in dataclasses.fields(RunConfig):
         parts.append(render_section(f.name, hints[f.name]))
     parts.append(render_section("data.train[i]", DataSource))

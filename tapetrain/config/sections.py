@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
-from tapetrain.config.fields import option
+from tapetrain.fields import option
 from tapetrain.model.config import ModelConfig
 
 Schedule = Literal["cosine", "linear", "polynomial", "constant", "wsd"]

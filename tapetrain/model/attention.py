@@ -32,11 +32,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tapetrain.model.config import ATTN_BACKENDS
 from tapetrain.model.xpos import XposDecay, decayed_attention
 
 log = logging.getLogger(__name__)
-
-BACKENDS = ("auto", "eager", "sdpa", "triton", "flash")
 
 AttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -156,7 +155,7 @@ def backend_available(name: str, device: torch.device) -> bool:
         except ImportError:
             return False
         return True
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTN_BACKENDS)}")
 
 
 _logged_choices: set[tuple] = set()
@@ -172,8 +171,8 @@ def _cudnn_sdpa(device: torch.device) -> bool:
 
 def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool) -> str:
     """Resolve "auto" (or validate an explicit choice) for one call site; logs each new decision once."""
-    if requested not in BACKENDS:
-        raise ValueError(f"model.attn_backend={requested!r} is not a backend; choose one of {', '.join(BACKENDS)}")
+    if requested not in ATTN_BACKENDS:
+        raise ValueError(f"model.attn_backend={requested!r} is not a backend; choose one of {', '.join(ATTN_BACKENDS)}")
     if requested == "auto":
         if device.type == "cuda" and not has_bias and dtype in (torch.float16, torch.bfloat16):
             if has_e and _cudnn_sdpa(device):

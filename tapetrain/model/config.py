@@ -2,104 +2,104 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
+from typing import Literal, get_args
 
 from tapetrain.errors import ConfigError
+from tapetrain.fields import option
 
-POSITIONAL_ENCODINGS = ("tape", "rope", "nope", "alibi", "randpe", "xpos", "fire")
+# The choices of the string-valued keys: the run config's loader checks YAML values against these annotations,
+# validate() checks values set from Python.
+PositionalEncodingName = Literal["tape", "rope", "nope", "alibi", "randpe", "xpos", "fire"]
+AttnBackendName = Literal["auto", "eager", "sdpa", "triton", "flash"]
+LossBackendName = Literal["auto", "chunked", "liger", "plain"]
+TapeHeadMixName = Literal["full", "gain"]
+
+POSITIONAL_ENCODINGS: tuple[str, ...] = get_args(PositionalEncodingName)
 ROTARY_ENCODINGS = ("tape", "rope", "randpe", "xpos")  # need an even head dim
-TAPE_HEAD_MIX = ("full", "gain")
-
-
-def _help(text: str, **kwargs):
-    return field(metadata={"help": text}, **kwargs)
+ATTN_BACKENDS: tuple[str, ...] = get_args(AttnBackendName)
+LOSS_BACKENDS: tuple[str, ...] = get_args(LossBackendName)
+TAPE_HEAD_MIX: tuple[str, ...] = get_args(TapeHeadMixName)
 
 
 @dataclass
 class ModelConfig:
     """A Llama-style decoder (RMSNorm, SwiGLU, GQA) with a choice of positional encoding."""
 
-    vocab_size: int = _help("Tokenizer vocabulary size; token ids must be < vocab_size.", default=32000)
-    d_model: int = _help("Hidden size C.", default=768)
-    n_layers: int = _help("Number of decoder layers.", default=12)
-    n_heads: int = _help("Query heads M; d_model / n_heads is the head dim D.", default=12)
-    n_kv_heads: int | None = _help("Key/value heads for grouped-query attention (None = n_heads).", default=None)
-    ffn_hidden: int | None = _help(
-        "SwiGLU intermediate size (None = 8/3·d_model rounded up to a multiple of 256, as Llama).", default=None
+    vocab_size: int = option(32000, "Tokenizer vocabulary size; token ids must be < vocab_size.")
+    d_model: int = option(768, "Hidden size C.")
+    n_layers: int = option(12, "Number of decoder layers.")
+    n_heads: int = option(12, "Query heads M; d_model / n_heads is the head dim D.")
+    n_kv_heads: int | None = option(None, "Key/value heads for grouped-query attention (None = n_heads).")
+    ffn_hidden: int | None = option(
+        None, "SwiGLU intermediate size (None = 8/3·d_model rounded up to a multiple of 256, as Llama)."
     )
-    max_seq_len: int = _help("Training context length; longer inputs are allowed at evaluation.", default=1024)
-    pe: str = _help("Positional encoding: tape, rope, nope, alibi, randpe, xpos or fire.", default="tape")
-    norm_eps: float = _help("RMSNorm epsilon.", default=1e-5)
-    rope_theta: float = _help("Rotary base (theta scaling raises it, e.g. 1e6).", default=10000.0)
-    pi_factor: float = _help(
-        "Linear position interpolation: positions are divided by this (2 for 4K->8K).", default=1.0
-    )
-    tie_embeddings: bool = _help("Share the input embedding and the LM head.", default=False)
-    loss_backend: str = _help(
+    max_seq_len: int = option(1024, "Training context length; longer inputs are allowed at evaluation.")
+    pe: PositionalEncodingName = option("tape", "Positional encoding: tape, rope, nope, alibi, randpe, xpos or fire.")
+    norm_eps: float = option(1e-5, "RMSNorm epsilon.")
+    rope_theta: float = option(10000.0, "Rotary base (theta scaling raises it, e.g. 1e6).")
+    pi_factor: float = option(1.0, "Linear position interpolation: positions are divided by this (2 for 4K->8K).")
+    tie_embeddings: bool = option(False, "Share the input embedding and the LM head.")
+    loss_backend: LossBackendName = option(
+        "auto",
         "Training cross-entropy: auto (liger-kernel's fused kernel on CUDA when installed, else chunked), chunked "
         "(plain torch, any device), liger, or plain (materialises the (B, T, V) logits). Only plain returns logits "
         "with the loss.",
-        default="auto",
     )
-    loss_chunk_mib: float = _help(
-        "chunked loss: tokens per chunk are chosen so that one chunk's fp32 logits take at most this many MiB.",
-        default=256.0,
+    loss_chunk_mib: float = option(
+        256.0, "chunked loss: tokens per chunk are chosen so that one chunk's fp32 logits take at most this many MiB."
     )
-    attn_backend: str = _help("Attention backend: auto, eager, sdpa, triton or flash.", default="auto")
-    activation_checkpointing: bool = _help("Recompute each layer in backward to save activation memory.", default=False)
-    compile: bool = _help(
+    attn_backend: AttnBackendName = option("auto", "Attention backend: auto, eager, sdpa, triton or flash.")
+    activation_checkpointing: bool = option(False, "Recompute each layer in backward to save activation memory.")
+    compile: bool = option(
+        False,
         "torch.compile each decoder layer (as torchtitan): fuses norms, rotations and TAPE's state updates. The first "
         "steps are slower while it compiles; not with ZeRO-3.",
-        default=False,
     )
-    causal: bool = _help("Causal (decoder) masking; False only for equivariance tests.", default=True)
-    init_std: float = _help("Std of the normal init of linear and embedding weights.", default=0.02)
-    tape_attn_update: bool = _help("TAPE: attention-side update E += (A·E) W_A (ablation switch).", default=True)
-    tape_mlp_update: bool = _help("TAPE: MLP-side position update (ablation switch).", default=True)
-    tape_channels: int | None = _help("TAPE: MLP-update channels I (None = 4·n_heads).", default=None)
-    tape_head_mix: str = _help(
-        "TAPE: W_A as a full head-mixing M×M matrix ('full', the paper) or a per-head gain ('gain', the code).",
-        default="full",
+    causal: bool = option(True, "Causal (decoder) masking; False only for equivariance tests.")
+    init_std: float = option(0.02, "Std of the normal init of linear and embedding weights.")
+    tape_attn_update: bool = option(True, "TAPE: attention-side update E += (A·E) W_A (ablation switch).")
+    tape_mlp_update: bool = option(True, "TAPE: MLP-side position update (ablation switch).")
+    tape_channels: int | None = option(None, "TAPE: MLP-update channels I (None = 4·n_heads).")
+    tape_head_mix: TapeHeadMixName = option(
+        "full", "TAPE: W_A as a full head-mixing M×M matrix ('full', the paper) or a per-head gain ('gain', the code)."
     )
-    tape_equivariant: bool = _help(
+    tape_equivariant: bool = option(
+        True,
         "TAPE: keep the MLP update equivariant (contract heads only). false = the ablation without the equivariance "
         "constraints, as the official code's non-equivariant variant: the update mixes all heads × frequencies.",
-        default=True,
     )
-    tape_layers: list[int] | None = _help(
+    tape_layers: list[int] | None = option(
+        None,
         "TAPE: indices of the layers that update E (null = all; the last layer's update is never built, as the final "
         "E is dropped). Other layers pass E on unchanged (the paper's ablation of TAPE in a subset of layers).",
-        default=None,
     )
-    randpe_max_position: int | None = _help(
+    randpe_max_position: int | None = option(
+        None,
         "randpe: positions are a sorted random subset of [0, this) (null = 2·max_seq_len, the TAPE paper's baseline).",
-        default=None,
     )
-    randpe_sample_at_eval: bool = _help(
-        "randpe: draw random positions at evaluation too, as the TAPE paper's baseline (false = 0..T−1 at eval).",
-        default=True,
+    randpe_sample_at_eval: bool = option(
+        True, "randpe: draw random positions at evaluation too, as the TAPE paper's baseline (false = 0..T−1 at eval)."
     )
-    randpe_per_layer: bool = _help(
+    randpe_per_layer: bool = option(
+        True,
         "randpe: every layer draws its own positions, as the TAPE paper's baseline (false = one draw for all layers).",
-        default=True,
     )
-    xpos_scale_base: float = _help(
-        "xpos: decay length scale γ (2048, the TAPE paper's baseline); logits decay as ζ^((i−j)/γ).", default=2048.0
+    xpos_scale_base: float = option(
+        2048.0, "xpos: decay length scale γ (2048, the TAPE paper's baseline); logits decay as ζ^((i−j)/γ)."
     )
-    fire_hidden: int = _help("fire: hidden width of the bias MLP.", default=32)
-    fire_shared: bool = _help(
-        "fire: one FIRE module for all layers (false = one per layer, the TAPE paper's baseline).", default=False
+    fire_hidden: int = option(32, "fire: hidden width of the bias MLP.")
+    fire_shared: bool = option(
+        False, "fire: one FIRE module for all layers (false = one per layer, the TAPE paper's baseline)."
     )
-    fire_init_c: float = _help("fire: initial c of ψ(x) = log(|c·x| + 1) (0.1, the baseline).", default=0.1)
-    fire_init_threshold: float = _help(
-        "fire: L₀ of the threshold L = |m·L₀|, m a learned multiplier starting at 1 (512, the baseline).",
-        default=512.0,
+    fire_init_c: float = option(0.1, "fire: initial c of ψ(x) = log(|c·x| + 1) (0.1, the baseline).")
+    fire_init_threshold: float = option(
+        512.0, "fire: L₀ of the threshold L = |m·L₀|, m a learned multiplier starting at 1 (512, the baseline)."
     )
-    s2_attn: bool = _help(
-        "LongLoRA shifted sparse attention while training (full attention at evaluation); rope/nope only.",
-        default=False,
+    s2_attn: bool = option(
+        False, "LongLoRA shifted sparse attention while training (full attention at evaluation); rope/nope only."
     )
-    s2_attn_group_fraction: float = _help("S²-Attn group size as a fraction of the sequence length.", default=0.25)
+    s2_attn_group_fraction: float = option(0.25, "S²-Attn group size as a fraction of the sequence length.")
 
     @property
     def head_dim(self) -> int:
@@ -189,16 +189,12 @@ class ModelConfig:
             fail("s2_attn", f"shifted sparse attention is implemented for rope and nope, not {self.pe}", "set false")
         if not 0 < self.s2_attn_group_fraction <= 1:
             fail("s2_attn_group_fraction", f"must be in (0, 1], got {self.s2_attn_group_fraction}", "use 0.25")
-        from tapetrain.model.loss import LOSS_BACKENDS
-
         if self.loss_backend not in LOSS_BACKENDS:
             fail("loss_backend", f"unknown backend {self.loss_backend!r}", f"choose one of {', '.join(LOSS_BACKENDS)}")
         if not self.loss_chunk_mib > 0:
             fail("loss_chunk_mib", f"must be > 0, got {self.loss_chunk_mib}", "use e.g. 256 (MiB of fp32 logits)")
-        from tapetrain.model.attention import BACKENDS
-
-        if self.attn_backend not in BACKENDS:
-            fail("attn_backend", f"unknown backend {self.attn_backend!r}", f"choose one of {', '.join(BACKENDS)}")
+        if self.attn_backend not in ATTN_BACKENDS:
+            fail("attn_backend", f"unknown backend {self.attn_backend!r}", f"choose one of {', '.join(ATTN_BACKENDS)}")
         return self
 
     def to_dict(self) -> dict:

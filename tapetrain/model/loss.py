@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tapetrain.model.config import LOSS_BACKENDS
+
 IGNORE_INDEX = -100
-LOSS_BACKENDS = ("auto", "chunked", "liger", "plain")
 REDUCTIONS = ("mean", "sum")
 
 

@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
 from tapetrain.model import ModelConfig, Transformer
 from tapetrain.train.distributed import DistEnv
+
+if TYPE_CHECKING:
+    from tapetrain.config import RunConfig
 
 log = logging.getLogger("tapetrain.train")
 
@@ -36,7 +40,7 @@ CHECKPOINT_SHAPE_FIELDS = (
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_model_config(cfg) -> ModelConfig:
+def resolve_model_config(cfg: RunConfig) -> ModelConfig:
     """The run's ModelConfig; with model.init_from, the shape fields are taken from its config.json."""
     model_config = cfg.model.model_config()
     if not cfg.model.init_from:
@@ -58,7 +62,7 @@ def resolve_model_config(cfg) -> ModelConfig:
     return dataclasses.replace(model_config, **{k: getattr(hf, k) for k in CHECKPOINT_SHAPE_FIELDS}).validate()
 
 
-def build_model(cfg, model_config: ModelConfig, env: DistEnv, ds_config: dict) -> Transformer:
+def build_model(cfg: RunConfig, model_config: ModelConfig, env: DistEnv, ds_config: dict) -> Transformer:
     torch.manual_seed(cfg.run.seed)  # the same init on every rank
     if not cfg.model.init_from:
         return Transformer(model_config)

@@ -7,16 +7,21 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tapetrain.errors import ConfigError
 from tapetrain.train.distributed import DistEnv
 
+if TYPE_CHECKING:
+    from tapetrain.config import RunConfig
+    from tapetrain.model import ModelConfig
+
 log = logging.getLogger("tapetrain.train")
 
 
-def _parameter_counts(cfg, model_config) -> tuple[int, int]:
+def _parameter_counts(cfg: RunConfig, model_config: ModelConfig) -> tuple[int, int]:
     """(total, trainable) of the model this config builds, counted on the meta device (no memory, no weights).
     LoRA adapters are not added: they are small next to what the estimate is for."""
     from tapetrain.model import Transformer
@@ -30,7 +35,8 @@ def _parameter_counts(cfg, model_config) -> tuple[int, int]:
     return total, trainable
 
 
-def _memory_lines(cfg, model_config, world_size: int, total: int, trainable: int) -> list[str]:
+def _memory_lines(cfg: RunConfig, model_config: ModelConfig, world_size: int, total: int,
+                  trainable: int) -> list[str]:
     from tapetrain.train.memory import estimate_memory
 
     d = cfg.deepspeed
@@ -44,7 +50,7 @@ def _memory_lines(cfg, model_config, world_size: int, total: int, trainable: int
              ("activations", est.activations_gb), ("logits", est.logits_gb), ("total", est.total_gpu_gb)]
     return [
         f"parameters: {total / 1e6:.2f}M ({trainable / 1e6:.2f}M trainable)",
-        "memory estimate per GPU (the README's memory model: 16-bit weights, fp32 Adam): "
+        "memory estimate per GPU (the memory model of docs/performance.md: 16-bit weights, fp32 Adam): "
         + ", ".join(f"{name} {_size(gib)}" for name, gib in parts) + f"; host (offload) {_size(est.host_offload_gb)}",
     ]
 
@@ -82,16 +88,17 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
     return 0
 
 
-def dry_run(cfg, env: DistEnv) -> int:
+def dry_run(cfg: RunConfig, env: DistEnv) -> int:
     """Every check of a real start (collectively, on every rank), then stop: nothing is written or locked."""
     from tapetrain.checkpoint import disk
     from tapetrain.config import build_deepspeed_config
     from tapetrain.train.build import check_before_start, data_summary, resolve_model_config_agreed
+    from tapetrain.train.checkpointing import CheckpointManager
     from tapetrain.train.collective import agree
 
     model_config = resolve_model_config_agreed(cfg, env)
     build_deepspeed_config(cfg, env.world_size)
-    start = check_before_start(cfg, env, model_config)
+    start = check_before_start(cfg, env, model_config, CheckpointManager(cfg, env, model_config))
     total, trainable = _parameter_counts(cfg, model_config)
     d = cfg.deepspeed
     needed = disk.checkpoint_bytes(total, trainable, d.precision, d.zero_stage, env.world_size,

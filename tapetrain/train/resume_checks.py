@@ -5,7 +5,7 @@ resume compares the resolved model config with the checkpoint's model_config.jso
 except in EXECUTION_ONLY_MODEL_FIELDS (how the same function is computed). The trainable parameter set, the LoRA
 adapters and the tokenizer are part of what a checkpoint means too. Optimizer settings, the schedule and the
 batch size may change: the config wins from the resumed step on, and these helpers describe what changed so the
-log says it.
+log says it. tapetrain.train.checkpointing.CheckpointManager applies these rules; nothing else calls them.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -20,6 +21,9 @@ from tapetrain.checkpoint import store
 from tapetrain.config.typed import to_plain
 from tapetrain.errors import ConfigError
 from tapetrain.model import ModelConfig
+
+if TYPE_CHECKING:
+    from tapetrain.config import RunConfig
 
 log = logging.getLogger("tapetrain.train")
 
@@ -60,7 +64,7 @@ def check_same_model(checkpoint: Path, model_config: ModelConfig, run_dir: Path)
         )
 
 
-def check_same_training_setup(checkpoint: Path, state: dict, cfg, tokenizer_sha256: str | None) -> None:
+def check_same_training_setup(checkpoint: Path, state: dict, cfg: RunConfig, tokenizer_sha256: str | None) -> None:
     """The trainable set, LoRA adapters and tokenizer must match what the checkpoint recorded (if it did)."""
     problems = []
     if "trainable" in state and state["trainable"] != cfg.train.trainable:
@@ -79,7 +83,7 @@ def check_same_training_setup(checkpoint: Path, state: dict, cfg, tokenizer_sha2
         )
 
 
-def check_fresh_start(cfg, run_dir: Path) -> None:
+def check_fresh_start(cfg: RunConfig, run_dir: Path) -> None:
     """train.resume=none must not write a second run's checkpoints among the first one's."""
     existing = store.complete_checkpoints(run_dir)
     if cfg.train.resume == "none" and existing:
@@ -90,7 +94,7 @@ def check_fresh_start(cfg, run_dir: Path) -> None:
         )
 
 
-def training_settings(cfg) -> dict:
+def training_settings(cfg: RunConfig) -> dict:
     """What a checkpoint records about the settings that produced it (compared at the next resume)."""
     return {
         "optim": to_plain(cfg.optim),
@@ -112,7 +116,7 @@ def _saved_settings(state: dict, run_dir: Path) -> dict | None:
     return {"optim": raw.get("optim"), "grad_clip": train.get("grad_clip"), "steps": train.get("steps")}
 
 
-def setting_changes(state: dict, cfg, run_dir: Path) -> list[str]:
+def setting_changes(state: dict, cfg: RunConfig, run_dir: Path) -> list[str]:
     """'optim.lr: 0.001 -> 0.0005'-style lines for every resumable setting that differs from the checkpoint's."""
     saved = _saved_settings(state, run_dir)
     if saved is None:

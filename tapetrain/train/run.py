@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
 from tapetrain.distributed import collective_timeout_minutes
 from tapetrain.train.distributed import init_distributed
+
+if TYPE_CHECKING:
+    from tapetrain.config import RunConfig
 
 log = logging.getLogger("tapetrain.train")
 
@@ -139,7 +143,7 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
         lock.release(failed_start=not started)
 
 
-def _config_summary(config_path: str, cfg, world_size: int) -> str:
+def _config_summary(config_path: str, cfg: RunConfig, world_size: int) -> str:
     accum = cfg.grad_accum_steps(world_size)
     return (f"{config_path}: {world_size} rank(s), global batch {cfg.train.global_batch_size} = micro batch "
             f"{cfg.train.micro_batch_size} x {world_size} rank(s) x {accum} accumulation, "

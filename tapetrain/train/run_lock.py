@@ -43,7 +43,7 @@ class RunLock:
             raise RunDirLockedError(
                 f"run directory {self.run_dir} is in use by another job ({_describe(holder)}): two jobs on one "
                 "run.out_dir would interleave metrics.jsonl and overwrite each other's checkpoints. Wait for it to "
-                "end, stop it (see the README: 'How to stop a job'), or set run.out_dir to another directory"
+                "end, stop it (docs/run-directory.md, 'How to stop a job'), or set run.out_dir to another directory"
             ) from None
         holder = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
                   "started_at": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": " ".join(sys.argv)}

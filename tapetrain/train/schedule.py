@@ -11,16 +11,21 @@ T = train.steps in total:
     wsd        s < T - D:      lr
                T - D <= s:     min_lr + (lr - min_lr) · (1 - (s - (T - D)) / D),   D = round(decay_ratio · T)
 
-p is clamped to [0, 1], so steps past T stay at min_lr (constant: lr).
+p is clamped to [0, 1], so steps past T stay at min_lr (constant: lr). `set_schedule_position` moves a running
+schedule (the LambdaLR and the engine's param groups) to any step.
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from tapetrain.config.sections import OptimSection
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 def lr_at(step: int, optim: OptimSection, total_steps: int) -> float:
@@ -60,3 +65,30 @@ def build_scheduler(
         return lr_at(step, optim, total_steps) / optim.lr
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def param_group_lists(engine: DeepSpeedEngine) -> list[list[dict]]:
+    """The param-group lists the engine reads (the client AdamW's, and a wrapper's if it keeps its own list)."""
+    lists, seen = [], set()
+    for opt in (getattr(engine, "basic_optimizer", None), getattr(engine, "optimizer", None)):
+        groups = getattr(opt, "param_groups", None)
+        if groups is not None and id(groups) not in seen:
+            seen.add(id(groups))
+            lists.append(groups)
+    return lists
+
+
+def set_schedule_position(engine: DeepSpeedEngine, scheduler: torch.optim.lr_scheduler.LambdaLR,
+                          optim: OptimSection, total_steps: int, step: int) -> float:
+    """Put the LambdaLR and every param group at the LR for update number `step` (0-based); returns that LR.
+    Needed after a checkpoint load (which restores the saved LRs) and after a skipped step (which DeepSpeed's
+    scheduler does not count)."""
+    lr = lr_at(step, optim, total_steps)
+    for groups in param_group_lists(engine):
+        for group in groups:
+            group["lr"] = lr
+            group["initial_lr"] = optim.lr
+    scheduler.base_lrs = [optim.lr] * len(scheduler.base_lrs)
+    scheduler.last_epoch = step
+    scheduler._last_lr = [lr] * len(scheduler.base_lrs)
+    return lr

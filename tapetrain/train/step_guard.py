@@ -18,11 +18,16 @@ Cost: one extra norm pass and one host read per optimizer step, on ZeRO-0 fp32 o
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from deepspeed import DeepSpeedEngine
 
 
 class StepGuard:
-    def __init__(self, engine):
+    def __init__(self, engine: DeepSpeedEngine):
         self.optimizer = engine.basic_optimizer  # the client AdamW, wrapped or not
         self.checks_gradients = engine.optimizer is self.optimizer  # nothing of DeepSpeed's checks them
         self.skip_requested = False

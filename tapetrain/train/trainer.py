@@ -9,19 +9,23 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
-from tapetrain.checkpoint import disk, store
+from tapetrain.checkpoint import store
 from tapetrain.data.batches import read_batch
 from tapetrain.data.supervised import inputs_and_labels
-from tapetrain.errors import DiskSpaceError, RunError
-from tapetrain.train.collective import agree
+from tapetrain.errors import RunError
+from tapetrain.train.checkpointing import TrainingProgress
 from tapetrain.train.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
-from tapetrain.train.optim_settings import set_schedule_position
-from tapetrain.train.resume_checks import training_settings
+from tapetrain.train.schedule import set_schedule_position
 from tapetrain.train.step_guard import StepGuard, weights_are_finite
+
+if TYPE_CHECKING:
+    from tapetrain.config import RunConfig
+    from tapetrain.train.build import Components
 
 log = logging.getLogger("tapetrain.train")
 
@@ -34,21 +38,21 @@ class Trainer:
     """Runs optimizer steps until train.steps, saving, validating and logging on the way.
 
     `components` is what `tapetrain.train.build.build_components` returns: the DeepSpeed engine, the model config,
-    the train/val batch iterators and the resume state.
+    the train/val batch iterators, where this start continues and the checkpoint manager that saves.
     """
 
-    def __init__(self, cfg, env: DistEnv, components):
+    def __init__(self, cfg: RunConfig, env: DistEnv, components: Components):
         self.cfg = cfg
         self.env = env
         self.c = components
         self.engine = components.engine
         self.run_dir = Path(cfg.run.out_dir)
-        self.step = components.start_step
-        self.tokens = components.start_tokens
+        self.step = components.start.step
+        self.tokens = components.start.tokens
         self.stop_signal: int | None = None
         self.born = time.perf_counter()
         self.nan_skips_in_a_row = 0
-        self.skipped_steps = components.skipped_steps
+        self.skipped_steps = components.start.skipped_steps
         self.guard = StepGuard(self.engine)
         self.flops_per_token = components.model.flops_per_token(cfg.data.seq_len)
         self.peak_flops = device_peak_flops(env.device, cfg.logging.peak_tflops)
@@ -218,46 +222,9 @@ class Trainer:
     # ---- checkpoints -----------------------------------------------------------------------------------------------
 
     def save(self) -> None:
-        from tapetrain.config import dump_run_config
-
         self._check_weights("before saving")
-        root = self.run_dir / store.CHECKPOINTS
-        needed = self.c.checkpoint_bytes
-        agree(self.env, lambda: disk.require_free_space(self.run_dir, needed, f"the checkpoint of step {self.step}"),
-              on_main_only=True)
-        state = {
-            "step": self.step,
-            "tokens": self.tokens,
-            "data": self.c.train_batches.state_dict(),
-            "world_size": self.env.world_size,
-            "zero_stage": self.cfg.deepspeed.zero_stage,
-            "seed": self.cfg.run.seed,
-            "skipped_steps": self.skipped_steps,
-            "tokenizer_sha256": self.c.tokenizer_sha256,
-            **training_settings(self.cfg),
-        }
-        try:
-            store.save_checkpoint(
-                self.engine,
-                self.run_dir,
-                self.step,
-                state,
-                self.c.model_config.to_dict(),
-                self.env,
-                self.cfg.train.keep_last,
-                run_config_yaml=dump_run_config(self.cfg),
-            )
-        except Exception as err:  # DeepSpeed/torch report a full disk as a generic write failure
-            free = disk.free_bytes(self.run_dir)
-            if free >= needed and "No space left" not in str(err):
-                raise
-            if self.env.is_main:
-                store.remove_incomplete(self.run_dir)
-            raise DiskSpaceError(
-                f"no space left on the device while saving the checkpoint of step {self.step} in {root} "
-                f"({disk.human(free)} free, about {disk.human(needed)} needed): {err}. The incomplete checkpoint is "
-                "never resumed from. Free disk space or move run.out_dir, then start the same command again"
-            ) from err
+        progress = TrainingProgress(self.step, self.tokens, self.skipped_steps)
+        self.c.checkpoints.save(self.engine, self.c.train_batches, progress)
 
     # ---- the loop --------------------------------------------------------------------------------------------------
 

@@ -146,6 +146,41 @@ def test_resume_none_refuses_a_directory_with_checkpoints(tmp_path):
         resume_checks.check_fresh_start(cfg, tmp_path)
 
 
+def test_checkpoint_manager_check_finds_what_train_resume_names(tmp_path):
+    """auto = the newest complete checkpoint (an interrupted .tmp save is never chosen), a path = that checkpoint,
+    a path without trainer_state.json is refused; the data's tokenizer is kept for the next save."""
+    from tapetrain.distributed import DistEnv
+    from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
+
+    run_dir = tmp_path / "run"
+    cfg = RunConfig.from_dict({"model": {"preset": "tiny"}, "data": {"train": "d"}, "run": {"out_dir": str(run_dir)}})
+    model_config = cfg.model.model_config()
+    for name, step in [("step_00000002", 2), ("step_00000004", 4), ("step_00000006.tmp", 6)]:
+        ckpt = run_dir / "checkpoints" / name
+        ckpt.mkdir(parents=True)
+        (ckpt / "model_config.json").write_text(json.dumps(model_config.to_dict()))
+        if not name.endswith(".tmp"):
+            (ckpt / "trainer_state.json").write_text(json.dumps({"step": step, "tokens": 64 * step}))
+
+    def manager(resume: str) -> CheckpointManager:
+        resumed = RunConfig.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "resume": resume}})
+        return CheckpointManager(resumed, DistEnv(0, 0, 1, torch.device("cpu")), model_config)
+
+    newest = manager("auto")
+    point = newest.check()
+    assert point == ResumePoint(run_dir / "checkpoints" / "step_00000004", {"step": 4, "tokens": 256})
+    assert point.progress == TrainingProgress(step=4, tokens=256, skipped_steps=0)
+    newest.check_training_setup("a" * 64)
+    assert newest.tokenizer_sha256 == "a" * 64
+    assert manager(str(run_dir / "checkpoints" / "step_00000002")).check().progress.step == 2
+    with pytest.raises(ConfigError, match=r"step_00000006.tmp' is not a complete checkpoint directory \(no "
+                                          r"trainer_state.json\); point it at RUN_DIR/checkpoints/step_XXXXXXXX"):
+        manager(str(run_dir / "checkpoints" / "step_00000006.tmp")).check()
+    assert CheckpointManager(cfg, DistEnv(0, 0, 1, torch.device("cpu")), model_config).check() == point
+    shutil.rmtree(run_dir / "checkpoints")
+    assert manager("none").check() is None
+
+
 def test_setting_and_batch_changes_are_described(tmp_path):
     old = RunConfig.from_dict({"model": {"preset": "tiny"}, "data": {"train": "d"}})
     new = RunConfig.from_dict({"model": {"preset": "tiny"}, "data": {"train": "d"},
@@ -254,8 +289,8 @@ def test_free_space_check_names_the_directory_and_the_bytes(tmp_path):
 def test_optimizer_settings_follow_the_config_after_a_load():
     from types import SimpleNamespace
 
+    from tapetrain.train.checkpointing import apply_config_settings, group_hyperparameters
     from tapetrain.train.optim import build_optimizer
-    from tapetrain.train.optim_settings import apply_config_settings, group_hyperparameters
     from tapetrain.train.schedule import build_scheduler, lr_at
 
     def cfg(**optim):

@@ -1,4 +1,5 @@
-"""`option()`: a dataclass field carrying its help text (the configuration reference is generated from it)."""
+"""`option()`: a dataclass field carrying its help text, for ModelConfig and the run config sections alike (the
+configuration reference is generated from it). Neutral ground: model/ and config/ both import it."""
 
 from __future__ import annotations
 
