@@ -29,7 +29,7 @@ def train(config: str, overrides: list[str] | None = None, print_config: bool = 
       torchrun --nproc_per_node 8 -m tapetrain.train configs/paper-155m-tape.yaml
       launch/single_node.sh | launch/multi_node.sh | launch/slurm.sbatch (stop them cleanly with SIGTERM)
 
-    Every config key, its default and meaning: the "Configuration reference" section of README.md.
+    Every config key, its default and meaning: docs/config-reference.md.
 
     Args:
         config: run config (may start with `base: other.yaml`; see configs/ for examples)

@@ -50,7 +50,7 @@ class Trainer:
         self.step = components.start.step
         self.tokens = components.start.tokens
         self.stop_signal: int | None = None
-        self.born = time.perf_counter()
+        self.born, self.first_step = time.perf_counter(), self.step
         self.nan_skips_in_a_row = 0
         self.skipped_steps = components.start.skipped_steps
         self.guard = StepGuard(self.engine)
@@ -318,7 +318,7 @@ class Trainer:
         from tapetrain.progress import format_duration
         from tapetrain.train.startup import since_process_start
 
-        first = self.c.start_step
+        first = self.first_step
         steps = f"{self.step} steps" if first == 0 else f"steps {first + 1}..{self.step}"
         seconds = since_process_start()
         return f"{steps} in {format_duration(seconds if seconds is not None else time.perf_counter() - self.born)}"
