@@ -1,61 +1,125 @@
-"""The `tapetrain` command: one subcommand per job (README.md lists them with examples)."""
+"""The `tapetrain` command: one table of subcommands over typed package functions.
+
+Each function's signature and docstring are its options and help (tapetrain.cli_parser). A command imports only
+its own function's module, so `tapetrain data prepare` does not pay for torch. Exit codes: 0 done, 1 a user
+error (one line naming the fix) or a failed check, 2 a malformed command line, 70 a bug (traceback first).
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tapetrain.cli_parser import add_function_arguments, call_with, summary
 
 
-def _add_train_parser(subparsers) -> None:
-    from tapetrain.train.arguments import configure_train_parser
+@dataclass(frozen=True)
+class Command:
+    name: str  # the words after `tapetrain`, e.g. "eval ppl"
+    target: str  # "module:function"
+    positional: dict[str, str] = field(default_factory=dict)  # parameter -> metavar, in command-line order
+    old: str | None = None  # the previous release's spelling: still accepted, with a deprecation line
 
-    parser = subparsers.add_parser("train", help="train from a YAML run config (one process or any launcher rank)")
-    configure_train_parser(parser)
+    def function(self) -> Callable:
+        module, _, name = self.target.partition(":")
+        return getattr(importlib.import_module(module), name)
 
 
-def is_override(arg: str) -> bool:
-    return "=" in arg and not arg.startswith("-")
+MODEL = {"model_path": "MODEL"}
+COMMANDS = (
+    Command("data tokenizer", "tapetrain.data.commands:tokenizer", old="tokenizer train"),
+    Command("data prepare", "tapetrain.data.commands:prepare", old="prepare"),
+    Command("data verify", "tapetrain.data.commands:verify", {"data_dirs": "DATA_DIR"}, old="verify"),
+    Command("data arith", "tapetrain.data.commands:arith", old="arith data"),
+    Command("data scrolls", "tapetrain.data.commands:scrolls", old="scrolls data"),
+    Command("train", "tapetrain.train.run:train", {"config": "CONFIG.yaml", "overrides": "KEY=VALUE"}),
+    Command("export hf", "tapetrain.checkpoint.commands:export_hf", {"run_dir": "RUN_DIR"}, old="export-hf"),
+    Command("eval ppl", "tapetrain.eval.ppl:run_eval_ppl", MODEL, old="eval-ppl"),
+    Command("eval passkey", "tapetrain.eval.passkey:run_eval_passkey", MODEL, old="eval-passkey"),
+    Command("eval arith", "tapetrain.eval.arith:run_eval_arith", MODEL, old="eval-arith"),
+    Command("eval scrolls", "tapetrain.eval.scrolls:run_eval_scrolls", MODEL, old="eval-scrolls"),
+)
+GROUPS = {
+    "data": "corpus -> tokenizer -> token shards; task data (arithmetic, SCROLLS); shard checks",
+    "export": "checkpoint conversion",
+    "eval": "perplexity, passkey retrieval and task accuracy of a run directory or an export",
+}
+BUG = 70  # EX_SOFTWARE
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tapetrain", description=__doc__)
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    from tapetrain.data.cli import add_prepare_parser, add_tokenizer_parser, add_verify_parser
-    from tapetrain.data.task_cli import add_arith_parser, add_scrolls_parser
-    from tapetrain.eval.cli import add_eval_passkey_parser, add_eval_ppl_parser, add_export_parser
-    from tapetrain.eval.task_cli import add_eval_arith_parser, add_eval_scrolls_parser
-
-    add_tokenizer_parser(subparsers)
-    add_prepare_parser(subparsers)
-    add_verify_parser(subparsers)
-    _add_train_parser(subparsers)
-    add_export_parser(subparsers)
-    add_eval_ppl_parser(subparsers)
-    add_eval_passkey_parser(subparsers)
-    add_arith_parser(subparsers)
-    add_eval_arith_parser(subparsers)
-    add_scrolls_parser(subparsers)
-    add_eval_scrolls_parser(subparsers)
+def command_parser(command: Command, prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog)
+    add_function_arguments(parser, command.function(), command.positional)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    parser = build_parser()
-    args, extra = parser.parse_known_args(argv)
-    if extra and isinstance(getattr(args, "overrides", None), list) and all(is_override(a) for a in extra):
-        args.overrides += extra  # `tapetrain train CONFIG --dry-run train.steps=5`: overrides after an option
-    elif extra:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+def build_parser(prog: str = "tapetrain") -> argparse.ArgumentParser:
+    """Every command (imports every command's module): `tapetrain --help`, group help and unknown commands."""
+    listing = "\n".join(f"  {prog} {c.name:<15} {summary(c.function())}" for c in COMMANDS)
+    parser = argparse.ArgumentParser(prog=prog, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description=f"commands (`{prog} COMMAND --help` for its options):\n{listing}")
+    top = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for command in COMMANDS:
+        words = command.name.split()
+        func = command.function()
+        if len(words) == 1:
+            sub = top.add_parser(words[0], help=summary(func))
+        else:
+            if words[0] not in groups:
+                group = top.add_parser(words[0], help=GROUPS[words[0]])
+                groups[words[0]] = group.add_subparsers(dest="action", required=True, metavar="ACTION")
+            sub = groups[words[0]].add_parser(words[1], help=summary(func))
+        add_function_arguments(sub, func, command.positional)
+    return parser
+
+
+def find_command(argv: list[str], prog: str) -> tuple[Command | None, list[str]]:
+    """The command that `argv` starts with (an old spelling prints its replacement) and the arguments after it."""
+    for command in COMMANDS:
+        for spelling in filter(None, (command.name, command.old)):
+            words = spelling.split()
+            if argv[: len(words)] == words:
+                if spelling == command.old:
+                    print(f"{prog}: `{prog} {spelling}` is deprecated and will be removed in the next release; use "
+                          f"`{prog} {command.name}`", file=sys.stderr)
+                return command, argv[len(words):]
+    return None, argv
+
+
+def run(command: Command, args: argparse.Namespace, prog: str) -> int:
     try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, RuntimeError) as err:
-        # Our errors already name the problem and the fix; a traceback would bury that.
-        if logging.getLogger().isEnabledFor(logging.DEBUG):
-            raise
-        print(f"tapetrain {args.command}: error: {err}", file=sys.stderr)
+        result = call_with(command.function(), args)
+    except Exception as err:
+        from tapetrain.errors import UserError
+
+        if isinstance(err, UserError):  # its message names the problem and the fix; a traceback would bury it
+            print(f"{prog}: error: {err}", file=sys.stderr)
+            return 1
+        traceback.print_exc()
+        print(f"{prog}: internal error ({type(err).__name__}): this is a bug in tapetrain, not in your command; "
+              "please report it in the project's issue tracker with the command line and the traceback above",
+              file=sys.stderr)
+        return BUG
+    return result if isinstance(result, int) else 0
+
+
+def main(argv: list[str] | None = None, prog: str = "tapetrain") -> int:
+    """`tapetrain COMMAND ...`; `prog` names a shim (`python -m tapetrain.train`, the tools/ scripts)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    command, rest = find_command(argv, prog)
+    if command is None:  # help, a bare group or an unknown word: argparse explains and exits
+        build_parser(prog).parse_args(argv)
         return 2
+    full = prog if prog != "tapetrain" else f"{prog} {command.name}"
+    args = command_parser(command, full).parse_intermixed_args(rest)  # overrides may follow options
+    return run(command, args, full)
 
 
 if __name__ == "__main__":

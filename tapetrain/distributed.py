@@ -23,7 +23,16 @@ from datetime import timedelta
 import torch
 
 from tapetrain.data.errors import DataError
-from tapetrain.errors import ConfigError, DiskSpaceError, RunDirLockedError, RunError
+from tapetrain.errors import (
+    ConfigError,
+    DiskSpaceError,
+    InputError,
+    MissingInputError,
+    MissingPackageError,
+    RunDirLockedError,
+    RunError,
+    UserError,
+)
 
 DEFAULT_TIMEOUT_MINUTES = 30.0
 
@@ -199,8 +208,9 @@ def barrier() -> None:
 # rank; the copies on the other ranks carry `reported_elsewhere`).
 
 # Failures whose message is the whole story (they name the problem and the fix): no traceback needed.
-EXPECTED_ERRORS = (ConfigError, DataError, RunError)
-_BY_NAME = {cls.__name__: cls for cls in (ConfigError, DataError, RunError, DiskSpaceError, RunDirLockedError)}
+EXPECTED_ERRORS = (UserError,)
+_BY_NAME = {cls.__name__: cls for cls in (ConfigError, DataError, RunError, DiskSpaceError, RunDirLockedError,
+                                          InputError, MissingInputError, MissingPackageError)}
 
 
 def agree(env: DistEnv, check: Callable[[], None], *, on_main_only: bool = False) -> None:

@@ -1,11 +1,27 @@
-"""Exceptions shared across tapetrain; messages always name the offending key/file and the fix."""
+"""Exceptions shared across tapetrain; messages always name the offending key/file and the fix.
+
+Every error a user can cause and fix derives from `UserError`: the command line prints its message as one line
+and exits 1. Anything else reaching the command line is a bug (traceback, exit 70).
+"""
 
 
-class ConfigError(ValueError):
+class UserError(Exception):
+    """A problem with what the user gave (command line, config, data, run directory); the message says the fix."""
+
+
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or impossible."""
 
 
-class RunError(RuntimeError):
+class InputError(UserError, ValueError):
+    """A command's argument, or a model, checkpoint, result or eval file it names, is unusable as given."""
+
+
+class MissingInputError(UserError, FileNotFoundError):
+    """A path named on the command line (or in a run directory) does not exist or is incomplete."""
+
+
+class RunError(UserError, RuntimeError):
     """A run cannot start or continue without risking its run directory (locked, disk full, diverged, ...).
 
     `reported_elsewhere` marks a copy raised on a rank other than the one that prints the message (every rank
@@ -23,3 +39,7 @@ class DiskSpaceError(RunError):
 
 class RunDirLockedError(RunError):
     """Another job holds the run directory."""
+
+
+class MissingPackageError(UserError, ImportError):
+    """An optional package that this job needs is not installed; the message names the pip command."""

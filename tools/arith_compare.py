@@ -5,9 +5,9 @@
     python tools/arith_compare.py --scale paper --gpus 8 [--out arith-compare]       # the paper's recipe
     python tools/arith_compare.py --scale paper --gpus 1 --pes tape,rope --set train.steps=2000   # a GPU-hour budget
 
-Every step is a public command: `tapetrain arith data` once, then per PE `tapetrain train` (under
+Every step is a public command: `tapetrain data arith` once, then per PE `tapetrain train` (under
 `deepspeed --num_gpus N` when --gpus > 0) with only model.pe, run.out_dir and data.train changed, and
-`tapetrain eval-arith`. It writes OUT/summary.json, OUT/summary.md (one table: mean exact match in distribution,
+`tapetrain eval arith`. It writes OUT/summary.json, OUT/summary.md (one table: mean exact match in distribution,
 out of distribution and on the whole grid per PE) and OUT/heatmaps.png (the heatmaps side by side). Steps whose
 output exists are skipped, and an interrupted training run resumes from its last checkpoint.
 """
@@ -33,7 +33,7 @@ SCALES = {
     # operands up to 3 digits, grid to 6; the tiny recipe trains in minutes on 2 CPU cores
     "tiny": {"data": ["--max-digits", "3", "--eval-max-digits", "6", "--train-examples", "200000"],
              "config": "configs/arith-tiny-cpu.yaml"},
-    # the paper: operands up to 20 digits, grid to 40 (defaults of `tapetrain arith data`)
+    # the paper: operands up to 20 digits, grid to 40 (defaults of `tapetrain data arith`)
     "paper": {"data": [], "config": "configs/arith-{pe}.yaml"},
 }
 
@@ -81,7 +81,7 @@ def main() -> int:
     parser.add_argument("--gpus", type=int, default=0, help="train under `deepspeed --num_gpus N` (0 = one process)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for every run, e.g. train.steps=2000 (repeatable)")
-    parser.add_argument("--data-args", default=None, help="replace the scale's `arith data` arguments (one string)")
+    parser.add_argument("--data-args", default=None, help="replace the scale's `data arith` arguments (one string)")
     args = parser.parse_args()
     pes = [p for p in args.pes.split(",") if p]
     unknown = sorted(set(pes) - set(PES))
@@ -95,7 +95,7 @@ def main() -> int:
     timings: dict[str, float] = json.loads(previous.read_text())["seconds"] if previous.exists() else {}
     data_args = args.data_args.split() if args.data_args else scale["data"]
     if not (data / "manifest.json").exists():
-        run("arith data", [*tapetrain().split(), "arith", "data", "--out", str(data), *data_args], timings)
+        run("data arith", [*tapetrain().split(), "data", "arith", "--out", str(data), *data_args], timings)
     reports = {}
     for pe in pes:
         run_dir = out / "runs" / pe
@@ -105,7 +105,7 @@ def main() -> int:
             run(f"train {pe}", train_cmd(config, args.gpus, overrides), timings)
         result = out / f"{pe}.json"
         if not result.exists():
-            run(f"eval {pe}", [*tapetrain().split(), "eval-arith", str(run_dir), "--data", str(data), "--out",
+            run(f"eval {pe}", [*tapetrain().split(), "eval", "arith", str(run_dir), "--data", str(data), "--out",
                                str(result), "--plot", str(out / f"{pe}.png")], timings)
         reports[pe] = json.loads(result.read_text())
     from tapetrain.eval.arith_plots import plot_heatmaps

@@ -5,7 +5,7 @@
   python tools/benchmark.py attention [--seq-lens 1024,2048] [--backends sdpa,triton] [--out R.json]
   python tools/benchmark.py train --preset paper-155m --seq-len 1024 [--batch 8] [--pe-list tape,rope] --out R.json
   python tools/benchmark.py engine --preset tiny [--zero-stage 2] --out R.json
-  python tools/benchmark.py data [ARGS for tools/bench_data.py ...]
+  python tools/benchmark.py data [--corpus-mb 8] [--seq-lens 512,2048,8192] [--out R.json]
 
 Every mode prints a table; with --out it writes JSON (atomically) and a PNG next to it (--plot P.png to move it,
 --no-plot to skip). Defaults depend on the device: small sizes and fp32 on CPU, realistic sizes and bf16 on CUDA.
@@ -18,13 +18,10 @@ import logging
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # run from a checkout without `pip install -e .`
+import torch
 
-import torch  # noqa: E402
-
-from tapetrain import bench  # noqa: E402
-from tapetrain.model import get_preset  # noqa: E402
+from tapetrain import bench
+from tapetrain.model import get_preset
 
 # Per-device defaults: (CPU, CUDA). CPU ones keep each mode under ~2 minutes on 2 shared cores.
 DEFAULTS = {
@@ -115,9 +112,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="model.attn_backend")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
-    p = sub.add_parser("data", help="data reader / prepare benchmark (tools/bench_data.py)")
-    p.add_argument("--script", type=Path, default=REPO / "tools" / "bench_data.py", help=argparse.SUPPRESS)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="passed to tools/bench_data.py")
+    p = sub.add_parser("data", help="prepare throughput (1 and 2 workers) and batch reader throughput")
+    p.add_argument("--out", type=Path, help="write the results as JSON here (atomically)")
+    p.add_argument("--workdir", help="keep the generated data here (default: a temp dir, removed)")
+    p.add_argument("--corpus-mb", type=float, default=8.0, help="synthetic JSONL corpus size in MB")
+    p.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary size")
+    p.add_argument("--reader-tokens", type=int, default=64 << 20, help="tokens of the synthetic reader dataset")
+    p.add_argument("--seq-lens", type=_ints, default=[512, 2048, 8192], help="reader sequence lengths")
+    p.add_argument("--micro-batch", type=int, default=8, help="reader samples per batch")
+    p.add_argument("--seconds", type=float, default=4.0, help="reader time per sequence length")
     return parser
 
 
@@ -147,7 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if args.mode == "data":
-        return bench.run_data_benchmark(args.script, args.args)
+        settings = bench.DataSettings(workdir=args.workdir, corpus_mb=args.corpus_mb, vocab=args.vocab,
+                                      reader_tokens=args.reader_tokens, seq_lens=args.seq_lens,
+                                      micro_batch=args.micro_batch, seconds=args.seconds)
+        result = bench.run_data_benchmark(settings)
+        print(bench.data_report(result))
+        if args.out:
+            print(f"wrote {bench.write_json_atomic(args.out, result)}")
+        return 0
 
     device = bench.pick_device(getattr(args, "device", "auto"))
     cuda = device.type == "cuda"

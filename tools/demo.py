@@ -3,11 +3,11 @@
 Every step is a public command, run the way a user would run it:
 
   1. corpus     Python's standard-library sources -> demo-work/corpus.jsonl (text on every machine with Python)
-  2. tokenizer  tapetrain tokenizer train (sentencepiece BPE, vocab 512)
-  3. prepare    tapetrain prepare (token shards + manifest, 5% validation split)
+  2. tokenizer  tapetrain data tokenizer (sentencepiece BPE, vocab 512)
+  3. prepare    tapetrain data prepare (token shards + manifest, 5% validation split)
   4. train      deepspeed --num_gpus 2 --module tapetrain.train configs/demo-{tape,rope}.yaml (ZeRO-2)
-  5. export     tapetrain export-hf (verified against tapetrain's logits)
-  6. evaluate   tapetrain eval-ppl on the validation split at 1x, 2x and 4x the training length
+  5. export     tapetrain export hf (verified against tapetrain's logits)
+  6. evaluate   tapetrain eval ppl on the validation split at 1x, 2x and 4x the training length
   7. report     demo-report/README.md, loss curves and PPL-vs-length plots
 
 A step whose output already exists is skipped, so re-running only does what is missing
@@ -178,21 +178,21 @@ def main() -> int:
     if not corpus.exists():
         build_corpus(corpus, args.max_files)
     step("tokenizer", WORK / "tok.model",
-         [tapetrain, "tokenizer", "train", "--input", corpus, "--vocab-size", "512", "--out", WORK / "tok.model"],
+         [tapetrain, "data", "tokenizer", "--input", corpus, "--vocab-size", "512", "--out", WORK / "tok.model"],
          timings)
     step("prepare", WORK / "data" / "manifest.json",
-         [tapetrain, "prepare", "--input", corpus, "--tokenizer", WORK / "tok.model", "--out", WORK / "data",
+         [tapetrain, "data", "prepare", "--input", corpus, "--tokenizer", WORK / "tok.model", "--out", WORK / "data",
           "--val-fraction", "0.05", "--workers", "2"], timings)
     threads = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 2) // ranks))}
     for pe in PES:
         step(f"train {pe}", WORK / "runs" / pe / "DONE.json", launcher_command(pe, ranks, cuda), timings, threads)
     for pe in PES:
         step(f"export {pe}", WORK / "hf" / pe / "config.json",
-             [tapetrain, "export-hf", WORK / "runs" / pe, "--out", WORK / "hf" / pe], timings)
+             [tapetrain, "export", "hf", WORK / "runs" / pe, "--out", WORK / "hf" / pe], timings)
     lengths = ",".join(str(n) for n in EVAL_LENGTHS)
     for pe in PES:
-        step(f"eval-ppl {pe}", REPORT / f"ppl-{pe}.json",
-             [tapetrain, "eval-ppl", WORK / "hf" / pe, "--data", WORK / "data", "--lengths", lengths,
+        step(f"eval ppl {pe}", REPORT / f"ppl-{pe}.json",
+             [tapetrain, "eval", "ppl", WORK / "hf" / pe, "--data", WORK / "data", "--lengths", lengths,
               "--out", REPORT / f"ppl-{pe}.json"], timings)
     report = write_report(timings, ranks, device)
     print(f"[demo] done in {time.perf_counter() - started:.0f} s; report: {report.relative_to(REPO)}", flush=True)

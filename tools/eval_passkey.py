@@ -1,16 +1,12 @@
 #!/usr/bin/env python
-"""Passkey retrieval across context lengths (same as `tapetrain eval-passkey`).
+"""Passkey retrieval across context lengths (= `tapetrain eval passkey`).
 
     python tools/eval_passkey.py MODEL [--lengths 1024,2048,4096,8192] [--trials 20] [--out R.json] [--plot P.png]
 """
 
-import argparse
-import logging
 import sys
 
-from tapetrain.eval.cli import configure_eval_passkey_parser
+from tapetrain.cli import main
 
 if __name__ == "__main__":
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    args = configure_eval_passkey_parser(argparse.ArgumentParser(description=__doc__)).parse_args()
-    sys.exit(args.func(args))
+    sys.exit(main(["eval", "passkey", *sys.argv[1:]], prog="tools/eval_passkey.py"))

@@ -21,11 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 os.environ.pop("TRITON_INTERPRET", None)  # compile for real GPU targets, not the CPU interpreter
 
-import torch  # noqa: E402
+import torch  # noqa: E402 - after the TRITON_INTERPRET reset
 
 from tapetrain.kernels import ptx_report  # noqa: E402
 from tapetrain.kernels import tape_attention as km  # noqa: E402

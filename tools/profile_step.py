@@ -18,12 +18,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from tapetrain import bench  # noqa: E402
+from tapetrain import bench
 
 CATEGORIES = (
     ("attention", ("_fwd_kernel", "_bwd_dkdv", "_bwd_dq", "_bwd_de", "flash", "fmha", "attention", "_attn")),

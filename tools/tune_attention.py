@@ -20,10 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-import torch  # noqa: E402
+import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -6,7 +6,7 @@
              tokens/s, step time, MFU, peak memory.
   engine     DeepSpeed overhead: a one-rank DeepSpeed engine vs a plain PyTorch loop doing the same arithmetic.
   layer      one decoder layer's activation memory, measured, vs the memory model.
-  data       delegates to `tools/bench_data.py` when it exists.
+  data       `prepare` throughput at 1 and 2 workers and the batch reader's throughput per sequence length.
 
 One module per mode (attention, train, engine, layer, data); `common` holds device, dtype, timing and memory
 helpers, `report` tables, JSON and figures, `steps` the models, optimizer and timed steps that train, engine and
@@ -52,7 +52,7 @@ from tapetrain.bench.common import (
     synchronize,
     time_call,
 )
-from tapetrain.bench.data import run_data_benchmark
+from tapetrain.bench.data import DataSettings, data_report, run_data_benchmark
 from tapetrain.bench.engine import (
     ENGINE_TARGET,
     EngineSettings,
@@ -90,5 +90,5 @@ __all__ = [
     "TrainSettings", "plot_train", "run_train_benchmark", "train_report",
     "ENGINE_TARGET", "EngineSettings", "engine_ds_config", "engine_report", "plot_engine", "run_engine_benchmark",
     "LayerSettings", "layer_report", "plot_layer", "run_layer_benchmark",
-    "run_data_benchmark",
+    "DataSettings", "data_report", "run_data_benchmark",
 ]  # fmt: skip

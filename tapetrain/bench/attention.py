@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions, time_call
 from tapetrain.bench.report import format_table, pyplot, save_figure, title_suffix
 from tapetrain.model.attention import attention, backend_available, expand_heads
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.bench")
 
@@ -131,7 +131,7 @@ def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict
         raise RuntimeError(f"no attention backend left to run on {device.type} (notes: {'; '.join(notes)})")
     gen = torch.Generator(device=device).manual_seed(s.seed)
     rows: list[dict] = []
-    bar = tqdm(total=len(cases) * len(s.seq_lens), desc="attention", disable=not progress or None, leave=False)
+    bar = progress_bar(total=len(cases) * len(s.seq_lens), desc="attention", disable=not progress, leave=False)
     for t in s.seq_lens:
 
         def rand(heads: int, gen: torch.Generator = gen, t: int = t) -> torch.Tensor:

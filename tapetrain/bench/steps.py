@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from tapetrain.bench.common import release_memory, synchronize
 from tapetrain.bench.report import finite_or_none
 from tapetrain.model import Transformer, estimate_mfu, preset_config
+from tapetrain.progress import progress as progress_bar
 
 
 def parse_overrides(items: Sequence[str]) -> dict[str, Any]:
@@ -145,7 +145,7 @@ def timed_steps(
     (seconds of each timed step, last loss)."""
     times: list[float] = []
     loss = torch.tensor(math.nan)
-    for i in tqdm(range(warmup + steps), desc=desc, disable=not progress or None, leave=False):
+    for i in progress_bar(range(warmup + steps), desc=desc, disable=not progress, leave=False):
         synchronize(device)
         t0 = time.perf_counter()
         loss = step(batches[i % len(batches)])

@@ -19,6 +19,7 @@ import torch
 
 from tapetrain.checkpoint.hf_keys import to_hf_state_dict
 from tapetrain.checkpoint.hf_modeling import AUTO_MAP, HERE, MODELING_FILES
+from tapetrain.errors import InputError, MissingInputError
 from tapetrain.file_modes import use_umask_mode
 from tapetrain.model import ModelConfig, Transformer
 
@@ -40,7 +41,7 @@ def parse_size(size: int | str) -> int:
         return size
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?B)?\s*", str(size).upper())
     if not match:
-        raise ValueError(f"max shard size {size!r} is not a size; use e.g. 5GB, 500MB or a number of bytes")
+        raise InputError(f"max shard size {size!r} is not a size; use e.g. 5GB, 500MB or a number of bytes")
     factor = {None: 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[match.group(2)]
     return int(float(match.group(1)) * factor)
 
@@ -52,7 +53,7 @@ def uses_remote_code(cfg: ModelConfig) -> bool:
 def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None):
     """The transformers config object: LlamaConfig for rope, TapetrainConfig (+ auto_map) otherwise."""
     if not cfg.causal:
-        raise ValueError("model.causal=false models (equivariance tests only) cannot be exported as causal LMs")
+        raise InputError("model.causal=false models (equivariance tests only) cannot be exported as causal LMs")
     common = dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
@@ -162,7 +163,7 @@ def write_tokenizer(tokenizer: str | None, out_dir: Path, max_seq_len: int) -> d
     if not tokenizer:
         return {"status": "none", "reason": "no tokenizer: the run config has no data.tokenizer and none was given"}
     if not os.path.isfile(tokenizer):
-        raise FileNotFoundError(f"tokenizer {tokenizer} does not exist; pass --tokenizer PATH (the run's "
+        raise MissingInputError(f"tokenizer {tokenizer} does not exist; pass --tokenizer PATH (the run's "
                                 "sentencepiece .model)")
     import sentencepiece as spm
 
@@ -261,12 +262,12 @@ def export_model(
 ) -> dict:
     """Write `model` as a Hugging Face checkpoint directory (atomically: OUT.tmp, verified, renamed)."""
     if dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise InputError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     out = Path(out_dir)
     if out.exists() and not overwrite:
-        raise ValueError(f"{out} already exists; choose another --out or pass --overwrite")
+        raise InputError(f"{out} already exists; choose another --out or pass --overwrite")
     if out.exists() and not _replaceable_export(out):
-        raise ValueError(f"{out} is not a tapetrain export (no tapetrain_export.json) and is not empty; "
+        raise InputError(f"{out} is not a tapetrain export (no tapetrain_export.json) and is not empty; "
                          "--overwrite only replaces an earlier export. Choose another --out, or empty it yourself")
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)  # left over from an interrupted export

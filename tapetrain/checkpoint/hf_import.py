@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 
 from tapetrain.checkpoint.hf_keys import IGNORED_HF_KEYS, from_hf_key
+from tapetrain.errors import InputError, MissingInputError
 from tapetrain.model import ModelConfig, Transformer
 
 log = logging.getLogger("tapetrain.checkpoint")
@@ -37,7 +38,7 @@ def _rope_settings(hf: dict) -> tuple[float, float]:
         return theta, 1.0
     if kind == "linear":
         return theta, float(params.get("factor", scaling.get("factor", 1.0)))
-    raise ValueError(
+    raise InputError(
         f"config.json rope scaling type {kind!r} is not supported (tapetrain has linear interpolation only); "
         "convert from a checkpoint with default or linear RoPE scaling"
     )
@@ -47,18 +48,18 @@ def config_from_hf(hf: dict, pe: str = "rope", **model_overrides) -> ModelConfig
     """A ModelConfig for a Hugging Face Llama config.json dict; `model_overrides` are ModelConfig fields."""
     model_type = hf.get("model_type")
     if model_type not in ("llama", "tapetrain"):
-        raise ValueError(f"config.json has model_type={model_type!r}; only Llama checkpoints (model_type 'llama') "
+        raise InputError(f"config.json has model_type={model_type!r}; only Llama checkpoints (model_type 'llama') "
                          "and tapetrain exports (model_type 'tapetrain') can be imported")
     for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if hf.get(key, ok) != ok:
-            raise ValueError(f"config.json {key}={hf[key]!r} is not supported (tapetrain's decoder has {key}={ok!r})")
+            raise InputError(f"config.json {key}={hf[key]!r} is not supported (tapetrain's decoder has {key}={ok!r})")
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     if head_dim * heads != hf["hidden_size"]:
-        raise ValueError(f"config.json head_dim={head_dim} with {heads} heads != hidden_size={hf['hidden_size']}; "
+        raise InputError(f"config.json head_dim={head_dim} with {heads} heads != hidden_size={hf['hidden_size']}; "
                          "tapetrain needs head_dim = hidden_size / num_attention_heads")
     kv_heads = hf.get("num_key_value_heads") or heads
-    if model_type == "tapetrain":  # our own remote-code export (export-hf of a non-RoPE model)
+    if model_type == "tapetrain":  # our own remote-code export (`tapetrain export hf` of a non-RoPE model)
         theta, pi_factor = float(hf.get("rope_theta", 10000.0)), float(hf.get("pi_factor", 1.0))
     else:
         theta, pi_factor = _rope_settings(hf)
@@ -91,18 +92,18 @@ def find_weight_files(hf_dir: str) -> list[str]:
                 shards = sorted(set(json.load(f)["weight_map"].values()))
             missing = [s for s in shards if not os.path.isfile(os.path.join(hf_dir, s))]
             if missing:
-                raise FileNotFoundError(f"{path} names shard(s) that do not exist: {', '.join(missing)}; "
+                raise MissingInputError(f"{path} names shard(s) that do not exist: {', '.join(missing)}; "
                                         "copy the complete checkpoint")
             return [os.path.join(hf_dir, s) for s in shards]
         return [path]
-    raise FileNotFoundError(f"no weights in {hf_dir}: expected one of {', '.join(WEIGHT_FILES)}")
+    raise MissingInputError(f"no weights in {hf_dir}: expected one of {', '.join(WEIGHT_FILES)}")
 
 
 def iter_weights(files: list[str], progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) over every weight file, one file in memory at a time; `progress`: a bar over the files."""
-    from tqdm import tqdm
+    from tapetrain.progress import progress as progress_bar
 
-    for path in tqdm(files, desc="loading weight shards", unit="shard", disable=not progress, dynamic_ncols=True):
+    for path in progress_bar(files, desc="loading weight shards", unit="shard", disable=not progress):
         if path.endswith(".safetensors"):
             from safetensors import safe_open
 
@@ -118,7 +119,7 @@ def iter_weights(files: list[str], progress: bool = False) -> Iterator[tuple[str
 def read_hf_config(hf_dir: str) -> dict:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} does not exist; model.init_from must be a Hugging Face Llama "
+        raise MissingInputError(f"{config_path} does not exist; model.init_from must be a Hugging Face Llama "
                                 "checkpoint directory (config.json + safetensors or .bin weights)")
     with open(config_path) as f:
         return json.load(f)
@@ -178,7 +179,7 @@ def copy_named_weights(
             problems.append(f"unexpected (no tapetrain parameter): {', '.join(sorted(unexpected))}")
         if shape_errors:
             problems.append(f"shape mismatch: {'; '.join(shape_errors)}")
-        raise ValueError(f"cannot load {source} into a tapetrain {cfg.pe} model: " + " | ".join(problems)
+        raise InputError(f"cannot load {source} into a tapetrain {cfg.pe} model: " + " | ".join(problems)
                          + "; check that the checkpoint's config matches its weights and that model.pe suits it")
     log.info("loaded %s into a %s model (%d tensors; %d new positional parameters keep their init)",
              source, cfg.pe, len(loaded), len([n for n in params if n not in loaded]))

@@ -1,5 +1,5 @@
-"""Where `model.init_from` weights come from: a Hugging Face Llama checkpoint, a tapetrain export (export-hf), or a
-tapetrain run directory / one checkpoint in it. All three stream through the same key table and checks
+"""Where `model.init_from` weights come from: a Hugging Face Llama checkpoint, a tapetrain export (`tapetrain export
+hf`), or a tapetrain run directory / one checkpoint in it. All three stream through the same key table and checks
 (hf_import.copy_named_weights): every non-positional parameter must be present with its shape, and positional
 extras absent from the source (TAPE's updates when starting a TAPE model from a RoPE one) keep their zero init.
 """

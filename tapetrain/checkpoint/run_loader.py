@@ -19,6 +19,7 @@ import torch
 import yaml
 
 from tapetrain.checkpoint.store import CHECKPOINTS, STATE_FILE, complete_checkpoints
+from tapetrain.errors import InputError, MissingInputError
 from tapetrain.model import ModelConfig, Transformer
 
 log = logging.getLogger("tapetrain.checkpoint")
@@ -32,21 +33,21 @@ def resolve_checkpoint(run_dir_or_ckpt: str, step: int | None = None) -> tuple[P
     """(checkpoint directory, run directory or None) for a run directory (+ optional step) or a checkpoint dir."""
     path = Path(run_dir_or_ckpt)
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass a run directory (with {CHECKPOINTS}/) or a checkpoint "
+        raise MissingInputError(f"{path} does not exist; pass a run directory (with {CHECKPOINTS}/) or a checkpoint "
                                 "directory (with trainer_state.json)")
     if (path / STATE_FILE).is_file() or _STEP_DIR.match(path.name) or any(path.glob("*model_states.pt")):
         if not (path / STATE_FILE).is_file():
-            raise FileNotFoundError(f"{path} has no {STATE_FILE}: the checkpoint is incomplete (the save was "
+            raise MissingInputError(f"{path} has no {STATE_FILE}: the checkpoint is incomplete (the save was "
                                     "interrupted); pass the run directory to use its newest complete checkpoint")
         state = json.loads((path / STATE_FILE).read_text())
         if step is not None and state.get("step") != step:
-            raise ValueError(f"{path} is the checkpoint of step {state.get('step')}, not {step}; pass the run "
+            raise InputError(f"{path} is the checkpoint of step {state.get('step')}, not {step}; pass the run "
                              "directory with --step, or drop --step")
         run_dir = path.parent.parent if path.parent.name == CHECKPOINTS else None
         return path, run_dir
     checkpoints = complete_checkpoints(path)
     if not checkpoints:
-        raise FileNotFoundError(f"no complete checkpoint in {path / CHECKPOINTS} (a checkpoint is complete once its "
+        raise MissingInputError(f"no complete checkpoint in {path / CHECKPOINTS} (a checkpoint is complete once its "
                                 f"{STATE_FILE} exists); train longer or pass a checkpoint directory")
     if step is None:
         return checkpoints[-1][1], path
@@ -54,7 +55,7 @@ def resolve_checkpoint(run_dir_or_ckpt: str, step: int | None = None) -> tuple[P
         if found == step:
             return ckpt, path
     available = ", ".join(str(s) for s, _ in checkpoints)
-    raise FileNotFoundError(f"no complete checkpoint for step {step} in {path / CHECKPOINTS}; available steps: "
+    raise MissingInputError(f"no complete checkpoint for step {step} in {path / CHECKPOINTS}; available steps: "
                             f"{available}")
 
 
@@ -75,7 +76,7 @@ def read_deepspeed_weights(ckpt: Path) -> tuple[dict[str, torch.Tensor], str]:
     model_file = ckpt / "mp_rank_00_model_states.pt"
     if not model_file.is_file():
         found = ", ".join(sorted(p.name for p in ckpt.iterdir())) or "nothing"
-        raise FileNotFoundError(f"{ckpt} holds no DeepSpeed model states (found: {found}); expected "
+        raise MissingInputError(f"{ckpt} holds no DeepSpeed model states (found: {found}); expected "
                                 "mp_rank_00_model_states.pt or ZeRO *_optim_states.pt files")
     payload = torch.load(model_file, map_location="cpu", weights_only=False)
     return {k: v.float() if v.is_floating_point() else v for k, v in payload["module"].items()}, "module"
@@ -104,24 +105,24 @@ def merge_lora(state: dict, alpha: float | None = None, r: int | None = None) ->
         return state, 0
     unsupported = [k for k in state if "lora_embedding" in k or "lora_magnitude" in k]
     if unsupported:
-        raise ValueError(f"cannot merge {', '.join(unsupported[:3])}: only LoRA on linear layers is supported "
+        raise InputError(f"cannot merge {', '.join(unsupported[:3])}: only LoRA on linear layers is supported "
                          "(no embedding LoRA, no DoRA)")
     if alpha is None:
-        raise ValueError("the checkpoint holds LoRA weights (lora_A/lora_B) but the run config has no "
+        raise InputError("the checkpoint holds LoRA weights (lora_A/lora_B) but the run config has no "
                          "train.lora.alpha; add `train: {lora: {r: R, alpha: ALPHA}}` to the run's config.yaml")
     out = dict(state)
     for key_a, match in pairs.items():
         key_b = key_a.replace(".lora_A", ".lora_B", 1)
         if key_b not in out:
-            raise ValueError(f"LoRA weight {key_a} has no matching {key_b}; the checkpoint is damaged")
+            raise InputError(f"LoRA weight {key_a} has no matching {key_b}; the checkpoint is damaged")
         a, b = out.pop(key_a).float(), out.pop(key_b).float()  # (r, in), (out, r)
         rank = a.shape[0]
         if r is not None and r != rank:
-            raise ValueError(f"train.lora.r={r} but {key_a} has rank {rank}; fix train.lora.r in config.yaml")
+            raise InputError(f"train.lora.r={r} but {key_a} has rank {rank}; fix train.lora.r in config.yaml")
         module = match.group("module")
         base = f"{module}.base_layer.weight" if f"{module}.base_layer.weight" in out else f"{module}.weight"
         if base not in out:
-            raise ValueError(f"LoRA weight {key_a} has no base weight {module}.weight or {module}.base_layer.weight")
+            raise InputError(f"LoRA weight {key_a} has no base weight {module}.weight or {module}.base_layer.weight")
         out[base] = out[base].float() + (alpha / rank) * (b @ a)
     out = {k.replace(".base_layer.", "."): v for k, v in out.items()}
     return out, len(pairs)
@@ -142,7 +143,7 @@ def _model_config(ckpt: Path, run_config: dict | None) -> ModelConfig:
     elif run_config and isinstance(run_config.get("model"), dict):
         values = run_config["model"]
     else:
-        raise FileNotFoundError(f"{ckpt} has no model_config.json and no run config.yaml with a model: section was "
+        raise MissingInputError(f"{ckpt} has no model_config.json and no run config.yaml with a model: section was "
                                 "found; copy the run's config.yaml next to its checkpoints/ directory")
     known = {f.name for f in fields(ModelConfig)}
     return ModelConfig.from_dict({k: v for k, v in values.items() if k in known})
@@ -200,7 +201,7 @@ def read_run_state(run_dir_or_ckpt: str, step: int | None = None) -> tuple[Model
     missing = sorted(expected - set(state) - ({"lm_head.weight"} if cfg.tie_embeddings else set()))
     unexpected = sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {ckpt} does not match its model config ({cfg.pe}, {cfg.n_layers} layers): "
+        raise InputError(f"checkpoint {ckpt} does not match its model config ({cfg.pe}, {cfg.n_layers} layers): "
                          f"missing {missing or 'none'}, unexpected {unexpected or 'none'}; the checkpoint and "
                          "model_config.json come from different runs or code versions")
     trainer_state = json.loads((ckpt / STATE_FILE).read_text())

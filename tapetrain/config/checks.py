@@ -118,7 +118,7 @@ def _check_data(cfg: RunConfig, c: _Checker) -> None:
         c.fail(
             "data.train",
             "no training data given",
-            "set data.train to a shard directory written by `tapetrain prepare`",
+            "set data.train to a shard directory written by `tapetrain data prepare`",
         )
     for name in ("train", "val"):
         for i, source in enumerate(getattr(data, name)):

@@ -50,7 +50,8 @@ class ModelSection(ModelConfig):
     init_from: str | None = option(
         None,
         "Weights to start from (null = random init): a Hugging Face Llama checkpoint directory, a tapetrain "
-        "export (export-hf) or a tapetrain run directory / checkpoint directory (its newest complete checkpoint).",
+        "export (tapetrain export hf) or a tapetrain run directory / checkpoint directory (its newest complete "
+        "checkpoint).",
     )
 
     def model_config(self) -> ModelConfig:
@@ -64,9 +65,9 @@ class ModelSection(ModelConfig):
 
 @dataclass
 class DataSource:
-    """One token-shard directory (written by `tapetrain prepare`) and its sampling weight."""
+    """One token-shard directory (written by `tapetrain data prepare`) and its sampling weight."""
 
-    path: str = option(help="Shard directory (or manifest) written by `tapetrain prepare`.")
+    path: str = option(help="Shard directory (or manifest) written by `tapetrain data prepare`.")
     weight: float = option(1.0, "Relative sampling weight when mixing several sources.")
 
 
@@ -105,11 +106,11 @@ class DataSection:
     verify: bool = option(
         False,
         "Before training, check every shard's sha256 and token ids against its manifest (reads all data once, on "
-        "rank 0; the same as `tapetrain verify DIR`).",
+        "rank 0; the same as `tapetrain data verify DIR`).",
     )
     packing: bool = option(
         False,
-        "Supervised example data (tapetrain arith data / scrolls data): pack consecutive examples into each "
+        "Supervised example data (tapetrain data arith / data scrolls): pack consecutive examples into each "
         "sequence instead of padding every example to seq_len; the loss stays on the answers only, but attention "
         "spans the packed examples.",
     )

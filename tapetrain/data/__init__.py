@@ -1,6 +1,6 @@
 """Data layer: sentencepiece tokenizer, corpus readers, `prepare` into token shards, and the training reader.
 
-Exports are resolved lazily so `tapetrain prepare` does not import torch.
+Exports are resolved lazily so `tapetrain data prepare` does not import torch.
 """
 
 from __future__ import annotations

@@ -25,11 +25,11 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-from tqdm import tqdm
 
 from tapetrain.data.char_vocab import BOS_ID, EOS_ID, PAD_ID, SPECIALS, write_char_vocab
 from tapetrain.data.errors import DataError
 from tapetrain.data.examples import TOKENIZER_FILE, ExampleWriter, example_dir_writer, write_manifest
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -174,7 +174,7 @@ def write_eval_grid(cells: list[Problems], path: str) -> int:
 def write_arith_data(out_dir: str, max_digits: int = 20, eval_max_digits: int = 40, train_examples: int = 20_000_000,
                      eval_per_cell: int = 100, seed: int = 42, overwrite: bool = False,
                      progress: bool = True) -> dict:
-    """`tapetrain arith data`: training examples (an example store) + eval_grid.jsonl + tokenizer.model."""
+    """`tapetrain data arith`: training examples (an example store) + eval_grid.jsonl + tokenizer.model."""
     for name, value in (("--max-digits", max_digits), ("--train-examples", train_examples),
                         ("--eval-per-cell", eval_per_cell)):
         if value < 1:
@@ -195,8 +195,7 @@ def write_arith_data(out_dir: str, max_digits: int = 20, eval_max_digits: int = 
         dropped = 0
         counts = np.zeros((max_digits, max_digits), dtype=np.int64)  # training examples per (len_a, len_b)
         generation_start = time.perf_counter()
-        bar = tqdm(total=train_examples, desc="arith data", unit="ex", unit_scale=True, disable=not progress,
-                   dynamic_ncols=True)
+        bar = progress_bar(total=train_examples, desc="data arith", unit="ex", unit_scale=True, disable=not progress)
         with bar:
             while writer.num_examples < train_examples:
                 n = min(CHUNK, train_examples - writer.num_examples)
@@ -227,27 +226,27 @@ def write_arith_data(out_dir: str, max_digits: int = 20, eval_max_digits: int = 
         }
         manifest = write_manifest(tmp, vocab_size=VOCAB_SIZE, bos_id=BOS_ID, eos_id=EOS_ID, pad_id=PAD_ID,
                                   splits={"train": split}, task=task, tokenizer_source=None)
-    log.info("arith data: %d training examples (%d rejected as evaluation problems), %d evaluation problems in %d "
+    log.info("data arith: %d training examples (%d rejected as evaluation problems), %d evaluation problems in %d "
              "cells, %.1fs", split["num_examples"], dropped, eval_count, eval_max_digits ** 2,
              time.perf_counter() - start)
     return manifest
 
 
 def read_eval_grid(data_dir: str) -> tuple[dict, list[dict]]:
-    """(task section of the manifest, evaluation problems) of an arith data directory."""
+    """(task section of the manifest, evaluation problems) of a `data arith` directory."""
     from tapetrain.data.examples import read_manifest
 
     manifest = read_manifest(data_dir)
     task = manifest.get("task", {})
     if task.get("name") != "addition":
         raise DataError(f"{data_dir} holds {task.get('name')!r} examples, not addition; pass a directory written by "
-                        "`tapetrain arith data`")
+                        "`tapetrain data arith`")
     path = os.path.join(data_dir, task["eval_grid"])
     with open(path, encoding="utf-8") as f:
         problems = [json.loads(line) for line in f if line.strip()]
     if len(problems) != task["eval_problems"]:
         raise DataError(f"{path} holds {len(problems)} problems but the manifest lists {task['eval_problems']}: the "
-                        "file is damaged; rebuild the data with `tapetrain arith data`")
+                        "file is damaged; rebuild the data with `tapetrain data arith`")
     return task, problems
 
 

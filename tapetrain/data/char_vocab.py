@@ -1,6 +1,6 @@
 """A fixed character vocabulary saved as a sentencepiece model, so task data with its own small alphabet
-(arithmetic) decodes through the same `Tokenizer` as everything else: run directories, `export-hf` and the eval
-tools find it like any other tokenizer.
+(arithmetic) decodes through the same `Tokenizer` as everything else: run directories, `tapetrain export hf` and the
+eval tools find it like any other tokenizer.
 
 Ids: 0 <unk>, 1 <s> (BOS), 2 </s> (EOS), 3 <pad>, then one id per character in the order given. The model is a
 sentencepiece CHAR model with identity normalisation and no dummy prefix, so encode("12+3=") is one id per

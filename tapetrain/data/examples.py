@@ -1,5 +1,5 @@
-"""On-disk store of supervised examples: (prompt, answer) token ids, written by `tapetrain arith data` and
-`tapetrain scrolls data`, read by the trainer through `tapetrain.data.supervised`.
+"""On-disk store of supervised examples: (prompt, answer) token ids, written by `tapetrain data arith` and
+`tapetrain data scrolls`, read by the trainer through `tapetrain.data.supervised`.
 
 A store directory holds, per split:
   {split}.tokens.bin   every example's prompt ids followed by its answer ids (the answer ends with EOS), back to
@@ -162,7 +162,7 @@ def write_manifest(out_dir: str, *, vocab_size: int, bos_id: int, eos_id: int, p
 
 
 def is_example_dir(path: str) -> bool:
-    """Whether `path` is a store written by this module (vs token shards of `tapetrain prepare`)."""
+    """Whether `path` is a store written by this module (vs token shards of `tapetrain data prepare`)."""
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest):
         return False
@@ -176,8 +176,8 @@ def is_example_dir(path: str) -> bool:
 def read_manifest(path: str) -> dict[str, Any]:
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath):
-        raise DataError(f"{path} has no {MANIFEST}: not an example store; write one with `tapetrain arith data` "
-                        "or `tapetrain scrolls data`")
+        raise DataError(f"{path} has no {MANIFEST}: not an example store; write one with `tapetrain data arith` "
+                        "or `tapetrain data scrolls`")
     with open(mpath, encoding="utf-8") as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:

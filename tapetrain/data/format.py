@@ -109,26 +109,26 @@ class ShardWriter:
 def load_manifest(path: str) -> dict[str, Any]:
     """Read and sanity-check `path`/manifest.json of a finished prepare run."""
     if not os.path.isdir(path):
-        raise DataError(f"data path {path} does not exist or is not a directory; run `tapetrain prepare "
+        raise DataError(f"data path {path} does not exist or is not a directory; run `tapetrain data prepare "
                         f"--out {path}` first or fix the data path")
     if os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):
-        raise DataError(f"data path {path} holds an incomplete prepare run; re-run `tapetrain prepare "
+        raise DataError(f"data path {path} holds an incomplete prepare run; re-run `tapetrain data prepare "
                         f"--out {path} --overwrite`")
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath):
         raise DataError(f"data path {path} has no {MANIFEST}: it is not a prepared dataset; run "
-                        f"`tapetrain prepare --out {path}` first")
+                        f"`tapetrain data prepare --out {path}` first")
     try:
         with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise DataError(f"{mpath} is not valid JSON ({err}); re-run `tapetrain prepare` into a fresh "
+        raise DataError(f"{mpath} is not valid JSON ({err}); re-run `tapetrain data prepare` into a fresh "
                         "directory") from err
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise DataError(f"{mpath} has format {manifest.get('format')!r} version {manifest.get('version')!r}; "
                         f"this tapetrain reads {FORMAT_NAME!r} version {FORMAT_VERSION}; re-run "
-                        "`tapetrain prepare`")
+                        "`tapetrain data prepare`")
     if manifest.get("dtype") not in DTYPES:
         raise DataError(f"{mpath} lists dtype {manifest.get('dtype')!r}; expected one of {sorted(DTYPES)}; "
-                        "re-run `tapetrain prepare`")
+                        "re-run `tapetrain data prepare`")
     return manifest

@@ -22,7 +22,7 @@ from tapetrain.data import format as fmt
 from tapetrain.data.errors import DataError
 
 VERIFY_SCAN_BYTES = 64 << 20
-REPREPARE = "re-run `tapetrain prepare` into a fresh directory"
+REPREPARE = "re-run `tapetrain data prepare` into a fresh directory"
 
 
 class PackedDataset:

@@ -33,13 +33,13 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Any
 
 import numpy as np
-from tqdm import tqdm
 
 from tapetrain.data import format as fmt
 from tapetrain.data.errors import DataError
 from tapetrain.data.hashing import uniform01
 from tapetrain.data.sources import SourceStats, expand_inputs, iter_documents
 from tapetrain.data.tokenizer import Tokenizer
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
@@ -213,7 +213,7 @@ def _write_shards(sources: list[str], tok: Tokenizer, dtype: str, out_dir: str, 
     """Read, tokenize and shard everything; return the manifest's "splits" entry."""
     writers = {split: fmt.ShardWriter(out_dir, split, dtype, shard_tokens) for split in fmt.SPLITS}
     docs = (doc.text for doc in iter_documents(sources, text_key=text_key, skip_bad=skip_bad, stats=stats))
-    bar = tqdm(desc="prepare", unit="doc", unit_scale=True, disable=not progress, dynamic_ncols=True)
+    bar = progress_bar(desc="prepare", unit="doc", unit_scale=True, disable=not progress)
     t0, tokens = time.perf_counter(), 0
     with bar:
         encoded = _encode_all(_chunks(docs), (tok.path, dtype, seed, val_fraction), workers)
@@ -257,7 +257,7 @@ def prepare(
     tok = Tokenizer(tokenizer_path)
     if tok.eos_id < 0:
         raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS, "
-                        "so use a model trained with eos_id >= 0 (e.g. `tapetrain tokenizer train`)")
+                        "so use a model trained with eos_id >= 0 (e.g. `tapetrain data tokenizer`)")
     dtype = fmt.token_dtype(tok.vocab_size)
     sources = expand_inputs(inputs)  # fail on bad globs before touching out_dir
     out_dir = os.path.abspath(out_dir)

@@ -1,7 +1,7 @@
 """Which tokenizer wrote a prepared dataset, and checks that every source of a run used the same one.
 
 Token ids only mean something together with the tokenizer that produced them: two tokenizers with the same vocab
-size give the same shapes and train "fine" on garbage. `tapetrain prepare` records the tokenizer's path and sha256
+size give the same shapes and train "fine" on garbage. `tapetrain data prepare` records the tokenizer's path and sha256
 in manifest.json; these helpers compare those records across the sources of a mixture, the validation data and
 the tokenizer file a config or model names.
 """
@@ -16,7 +16,7 @@ from tapetrain.data.format import file_sha256, load_manifest
 
 
 def manifest_tokenizer(path: str) -> dict | None:
-    """{'path': ..., 'sha256': ...} recorded by prepare (or by an example store: arith/scrolls data, which keeps
+    """{'path': ..., 'sha256': ...} recorded by prepare (or by an example store: data arith/scrolls, which keeps
     its tokenizer.model inside) in `path`/manifest.json, or None if it recorded none."""
     if examples.is_example_dir(path):
         tok = dict(examples.read_manifest(path).get("tokenizer") or {})
@@ -49,7 +49,7 @@ def common_tokenizer(paths: list[str], tokenizer_file: str | None = None, what: 
         if sha is not None and file_sha != sha:
             raise DataError(f"{what}={tokenizer_file} (sha256 {file_sha[:12]}…) is not the tokenizer the data was "
                             f"prepared with (sha256 {sha[:12]}…{_hint(known)}); point {what} at that file, or "
-                            "re-run `tapetrain prepare` with this tokenizer")
+                            "re-run `tapetrain data prepare` with this tokenizer")
         sha = file_sha
     return sha
 

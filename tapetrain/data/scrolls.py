@@ -29,18 +29,19 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-
-from tqdm import tqdm
+from typing import Literal
 
 from tapetrain.data.errors import DataError
 from tapetrain.data.examples import TOKENIZER_FILE, ExampleWriter, example_dir_writer, write_manifest
 from tapetrain.data.sources import expand_inputs, parse_hf_spec
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
 QA_TASKS = ("qasper", "narrative_qa", "quality", "contract_nli")
 SUMMARY_TASKS = ("gov_report", "summ_screen_fd", "qmsum")
 TASKS = {**dict.fromkeys(QA_TASKS, "qa"), **dict.fromkeys(SUMMARY_TASKS, "summary")}
+ScrollsTask = Literal["qasper", "narrative_qa", "quality", "contract_nli", "gov_report", "summ_screen_fd", "qmsum"]
 MAX_ANSWER_TOKENS = {"qa": 200, "summary": 1000}
 SUMMARY_PREFIX = "Context:\n"
 SUMMARY_SUFFIX = "\n Please summarize this report:"
@@ -75,7 +76,7 @@ def _record(raw: object, where: str) -> Record:
 
 
 def iter_records(inputs: str | list[str]) -> Iterator[Record]:
-    """Every record of the inputs in order (files sorted per glob, as `tapetrain prepare`)."""
+    """Every record of the inputs in order (files sorted per glob, as `tapetrain data prepare`)."""
     for source in expand_inputs(inputs):
         if source.startswith("hf:"):
             yield from _hf_records(source)
@@ -182,7 +183,7 @@ class PromptBuilder:
 
 def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, out_dir: str, seq_len: int = 8192,
                        max_answer_tokens: int | None = None, overwrite: bool = False, progress: bool = True) -> dict:
-    """`tapetrain scrolls data`: one training example per record, in an example store with a copy of the tokenizer."""
+    """`tapetrain data scrolls`: one training example per record, in an example store with a copy of the tokenizer."""
     from tapetrain.data.tokenizer import Tokenizer
 
     tok = Tokenizer(tokenizer_path)
@@ -193,7 +194,7 @@ def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, 
     truncated_prompts = truncated_answers = 0
     with example_dir_writer(out_dir, overwrite) as tmp:
         writer = ExampleWriter(tmp, "train", tok.vocab_size)
-        bar = tqdm(desc=f"scrolls {task}", unit="record", disable=not progress, dynamic_ncols=True)
+        bar = progress_bar(desc=f"data scrolls {task}", unit="record", disable=not progress)
         with bar:
             for record in iter_records(sources):
                 if record.output is None:
@@ -228,7 +229,7 @@ def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, 
         manifest = write_manifest(tmp, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                   pad_id=tok.pad_id, splits={"train": split}, task=info,
                                   tokenizer_source=tok.path)
-    log.info("scrolls data %s: %d records (%d ids), %d prompts and %d answers truncated, %.1fs", task,
+    log.info("data scrolls %s: %d records (%d ids), %d prompts and %d answers truncated, %.1fs", task,
              split["num_examples"], len(ids), truncated_prompts, truncated_answers, time.perf_counter() - start)
     return manifest
 

@@ -5,7 +5,7 @@
     it = BatchIterator(ds, global_batch_size=256, micro_batch_size=4, rank=r, world_size=w, seed=0)
     x = it.next_micro_batch()          # (4, 2049) int64: inputs x[:, :-1], labels x[:, 1:]
     val = open_dataset("data/tok", 2048, split="val")
-    ds = open_dataset("data/arith", 64)        # an example store (tapetrain arith/scrolls data): SupervisedDataset
+    ds = open_dataset("data/arith", 64)        # an example store (tapetrain data arith/scrolls): SupervisedDataset
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ __all__ = ["BatchIterator", "MixedDataset", "PackedDataset", "SupervisedDataset"
 
 def _open_one(path: str, seq_len: int, split: str, expected_vocab_size: int | None,
               packing: bool) -> PackedDataset | SupervisedDataset:
-    """Token shards (tapetrain prepare) or an example store (tapetrain arith data / scrolls data)."""
+    """Token shards (tapetrain data prepare) or an example store (tapetrain data arith / data scrolls)."""
     if is_example_dir(path):
         return SupervisedDataset(path, seq_len, split, expected_vocab_size, packing)
     return PackedDataset(path, seq_len, split=split, expected_vocab_size=expected_vocab_size)

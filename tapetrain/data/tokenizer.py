@@ -26,7 +26,7 @@ class Tokenizer:
     def __init__(self, path: str):
         if not os.path.isfile(path):
             raise DataError(
-                f"tokenizer model {path} does not exist; train one with `tapetrain tokenizer train "
+                f"tokenizer model {path} does not exist; train one with `tapetrain data tokenizer "
                 "--input ... --vocab-size N --out tok.model` or pass an existing sentencepiece .model"
             )
         self.path = os.path.abspath(path)
@@ -36,7 +36,7 @@ class Tokenizer:
         except (OSError, RuntimeError) as err:
             raise DataError(
                 f"{path} is not a sentencepiece model ({err}); pass a .model file written by sentencepiece "
-                "(e.g. by `tapetrain tokenizer train`, or Llama-2's tokenizer.model)"
+                "(e.g. by `tapetrain data tokenizer`, or Llama-2's tokenizer.model)"
             ) from err
         self.checksum = file_sha256(self.path)
 

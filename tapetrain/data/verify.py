@@ -1,4 +1,4 @@
-"""`tapetrain verify DIR`: every shard's sha256 against the manifest and every token id against the vocabulary.
+"""`tapetrain data verify DIR`: every shard's sha256 against the manifest and every token id against the vocabulary.
 
 Opening a dataset for training only checks shard sizes (and ids of small shards), because hashing terabytes at
 every start is too slow; a flipped byte inside a shard passes that. This reads every byte once (sha256 and the
@@ -11,11 +11,11 @@ import hashlib
 import os
 
 import numpy as np
-from tqdm import tqdm
 
 from tapetrain.data import examples
 from tapetrain.data import format as fmt
 from tapetrain.data.errors import DataError
+from tapetrain.progress import progress as progress_bar
 
 BLOCK = 1 << 22  # bytes per read; a multiple of every token width
 
@@ -31,15 +31,15 @@ def verify_dataset(path: str, progress: bool = True) -> list[str]:
     shards = [s for split in manifest.get("splits", {}).values() for s in split.get("shards", [])]
     total = sum(s["num_tokens"] * dtype.itemsize for s in shards)
     problems = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
-              disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
+                      disable=not progress) as bar:
         for shard in shards:
             problems += _verify_shard(path, shard, dtype, vocab, bar)
     return problems
 
 
 def _verify_example_store(path: str, progress: bool) -> list[str]:
-    """An example store (tapetrain arith/scrolls data): per split, its tokens file (sha256, ids < vocab) and its
+    """An example store (tapetrain data arith/scrolls): per split, its tokens file (sha256, ids < vocab) and its
     index file (sha256; (num_examples, 3) int64 rows, not token ids)."""
     manifest = examples.read_manifest(path)
     dtype, vocab = examples.DTYPES[manifest["dtype"]], int(manifest["vocab_size"])
@@ -52,14 +52,14 @@ def _verify_example_store(path: str, progress: bool) -> list[str]:
                       np.dtype("<i8"), None))
     total = sum(f["num_tokens"] * d.itemsize for f, d, _ in files)
     problems = []
-    with tqdm(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
-              disable=not progress, dynamic_ncols=True) as bar:
+    with progress_bar(total=total, unit="B", unit_scale=True, desc=f"verify {os.path.basename(path)}",
+                      disable=not progress) as bar:
         for file, file_dtype, file_vocab in files:
             problems += _verify_shard(path, file, file_dtype, file_vocab, bar)
     return problems
 
 
-def _verify_shard(root: str, shard: dict, dtype: np.dtype, vocab: int | None, bar: tqdm) -> list[str]:
+def _verify_shard(root: str, shard: dict, dtype: np.dtype, vocab: int | None, bar) -> list[str]:
     """Size, sha256 and (when `vocab` is given) token ids < vocab of one file listed in a manifest."""
     file = os.path.join(root, shard["file"])
     want = shard["num_tokens"] * dtype.itemsize
@@ -97,4 +97,4 @@ def require_verified(paths: list[str], progress: bool = True) -> None:
     if found:
         shown = "; ".join(found[:5]) + (f"; and {len(found) - 5} more" if len(found) > 5 else "")
         raise DataError(f"data.verify: {len(found)} problem(s) in the training data: {shown}. Restore the files from "
-                        "a good copy or re-run `tapetrain prepare` into a fresh directory")
+                        "a good copy or re-run `tapetrain data prepare` into a fresh directory")

@@ -1,4 +1,4 @@
-"""`tapetrain eval-arith`: exact-match accuracy of addition on the (len_a, len_b) grid, as in the TAPE paper.
+"""`tapetrain eval arith`: exact-match accuracy of addition on the (len_a, len_b) grid, as in the TAPE paper.
 
 For each grid cell the model decodes every problem greedily with the KV cache until EOS (batched: a cell's prompts
 all have the same length). A problem is correct only if the generated answer is exactly the reversed sum followed
@@ -12,17 +12,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from typing import Literal
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from tapetrain.data.arith import DIGIT0, VOCAB_SIZE, problem_ids, read_eval_grid
 from tapetrain.data.char_vocab import EOS_ID
 from tapetrain.distributed import EvalRanks, all_reduce_sum, init_eval_ranks
+from tapetrain.errors import InputError
 from tapetrain.eval.decoding import Continuation, generate
 from tapetrain.eval.models import EvalModel, load_eval_model
 from tapetrain.eval.report import write_json_atomic
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -102,7 +104,7 @@ def evaluate_arith(model: EvalModel, problems: list[dict], train_max_digits: int
     """Decode this rank's share of the cells, all-reduce the per-cell counts, return `summarize`'s dict."""
     ranks = ranks or EvalRanks()
     if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+        raise InputError(f"--batch-size must be >= 1, got {batch_size}")
     cells = group_by_cell(problems)
     keys = list(cells)
     # Deal cells round-robin by size so every rank gets long and short ones.
@@ -113,8 +115,8 @@ def evaluate_arith(model: EvalModel, problems: list[dict], train_max_digits: int
     for k in mine:
         by_length[sum(keys[k])].extend((k, p) for p in cells[keys[k]])
     counts = np.zeros((len(keys), 2))  # (cells, [correct, n])
-    bar = tqdm(total=sum(len(group) for group in by_length.values()), desc="eval-arith", unit="problem",
-               disable=not ranks.is_main, dynamic_ncols=True)
+    bar = progress_bar(total=sum(len(group) for group in by_length.values()), desc="eval arith", unit="problem",
+                       disable=not ranks.is_main)
     start = time.perf_counter()
     with bar:
         for _, group in sorted(by_length.items()):
@@ -136,18 +138,32 @@ def format_arith_table(report: dict) -> str:
             f"distribution {pct(report['mean_out_of_distribution'])}, whole grid {pct(report['mean_all'])}")
 
 
-def run_eval_arith(model_path: str, data_dir: str, out: str, plot: str | None = None, *, batch_size: int = 100,
-                   dtype: str = "fp32", step: int | None = None) -> dict:
-    """The `tapetrain eval-arith` job: load, decode the grid, write R.json (+ the heatmap PNG) on rank 0."""
+def run_eval_arith(model_path: str, data: str, out: str, plot: str | None = None, *, batch_size: int = 100,
+                   dtype: Literal["fp32", "bf16"] = "fp32", step: int | None = None) -> dict:
+    """Addition exact match on the (len_a, len_b) grid, and its heatmap.
+
+    Greedy decoding (KV cache, batched, until EOS) of every problem of the evaluation grid written by `tapetrain
+    data arith`; exact match per cell. Runs on several ranks under torchrun/deepspeed, the cells split among
+    them. Writes R.json (+ the heatmap PNG) on rank 0.
+
+    Args:
+        model_path: run directory or Hugging Face export (tapetrain export hf)
+        data: directory written by `tapetrain data arith`
+        out: result JSON (cells and the three means)
+        plot: PNG heatmap of accuracy per (len_a, len_b)
+        batch_size: problems decoded together (equal-length prompts)
+        dtype: compute dtype
+        step: run directories: checkpoint step (default newest)
+    """
     from tapetrain.eval.arith_plots import plot_heatmaps
 
-    task, problems = read_eval_grid(data_dir)
+    task, problems = read_eval_grid(data)
     ranks = init_eval_ranks()
     try:
         model = load_eval_model(model_path, dtype, step)
         if model.vocab_size != VOCAB_SIZE:
-            raise ValueError(f"model {model_path} has vocab_size {model.vocab_size}, but the addition vocabulary has "
-                             f"{VOCAB_SIZE} tokens; evaluate a model trained on `tapetrain arith data` output")
+            raise InputError(f"model {model_path} has vocab_size {model.vocab_size}, but the addition vocabulary has "
+                             f"{VOCAB_SIZE} tokens; evaluate a model trained on `tapetrain data arith` output")
         start = time.perf_counter()
         result = evaluate_arith(model, problems, task["max_digits"], batch_size, ranks)
     finally:
@@ -155,7 +171,7 @@ def run_eval_arith(model_path: str, data_dir: str, out: str, plot: str | None = 
     report = {
         "model": model.name,
         "model_kind": model.kind,
-        "data": data_dir,
+        "data": data,
         "train_max_digits": task["max_digits"],
         "eval_max_digits": task["eval_max_digits"],
         "problems": len(problems),

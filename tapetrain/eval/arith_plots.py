@@ -1,4 +1,4 @@
-"""Heatmaps of eval-arith results: accuracy per (len_a, len_b), one panel per result, like the paper's figure."""
+"""Heatmaps of `eval arith` results: accuracy per (len_a, len_b), one panel per result, like the paper's figure."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from tapetrain.distributed import local_device
+from tapetrain.errors import InputError, MissingInputError
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -85,11 +86,11 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
     from tapetrain.checkpoint.run_loader import is_run_or_checkpoint, load_run_model
 
     if dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     device = device or local_device()
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"model {path} does not exist; pass a Hugging Face export directory (tapetrain "
-                                "export-hf) or a run directory")
+        raise MissingInputError(f"model {path} does not exist; pass a Hugging Face export directory (tapetrain "
+                                "export hf) or a run directory")
     if is_run_or_checkpoint(path):
         model, info = load_run_model(path, step)
         model = model.to(device=device, dtype=DTYPES[dtype]).eval()
@@ -99,10 +100,10 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
                          device, dtype, sha)
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{path} is neither a run directory (no checkpoints/) nor a Hugging Face model "
-                                "(no config.json); pass a run directory or an export-hf output")
+        raise MissingInputError(f"{path} is neither a run directory (no checkpoints/) nor a Hugging Face model "
+                                "(no config.json); pass a run directory or a `tapetrain export hf` output")
     if step is not None:
-        raise ValueError("--step applies to run directories only; a Hugging Face export holds one step")
+        raise InputError("--step applies to run directories only; a Hugging Face export holds one step")
     from transformers import AutoModelForCausalLM
 
     with open(config_path) as f:

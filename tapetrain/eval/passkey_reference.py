@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tapetrain.errors import InputError
+
 TASK = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize them. "
         "I will quiz you about the important information there.")
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
@@ -56,14 +58,14 @@ def key_line(pass_key: int) -> str:
 def garbage_schedule(max_tokens: int, interval: int = INTERVAL) -> list[int]:
     """Filler characters of each length point: int(3.75·(i+1)·interval // 1024·1024), i < max_tokens // interval."""
     if interval < 1 or max_tokens < interval:
-        raise ValueError(f"--max-tokens {max_tokens} and --interval {interval} give no length point; the "
+        raise InputError(f"--max-tokens {max_tokens} and --interval {interval} give no length point; the "
                          "references use --interval 1000 with --max-tokens a multiple of it (8192 or 32000)")
     schedule = [int(3.75 * (i + 1) * interval // 1024 * 1024) for i in range(max_tokens // interval)]
     if schedule[0] == 0:
-        raise ValueError(f"--interval {interval} is too small: its first length point has no filler "
+        raise InputError(f"--interval {interval} is too small: its first length point has no filler "
                          "(3.75·interval < 1024 characters); use --interval >= 274")
     if schedule[-1] > len(FILLER) * FILLER_REPEATS:
-        raise ValueError(f"--max-tokens {max_tokens} needs {schedule[-1]} filler characters, more than the "
+        raise InputError(f"--max-tokens {max_tokens} needs {schedule[-1]} filler characters, more than the "
                          f"references' {FILLER_REPEATS} filler repeats hold; lower --max-tokens")
     return schedule
 

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Literal
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from tapetrain.distributed import EvalRanks, all_reduce_sum, init_eval_ranks
+from tapetrain.errors import InputError
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json, write_json_atomic
 from tapetrain.eval.tokens import EvalTokens, open_eval_tokens
 from tapetrain.eval.windows import LONGLORA_EVAL_BATCH, Window, aggregate, make_windows, tokens_needed
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -30,8 +32,8 @@ def score_windows(
 ) -> list[float]:
     """NLL sum (nats) of each window's scored predictions, batch_size windows per forward."""
     nll: list[float] = []
-    bar = tqdm(total=sum(w.tokens for w in windows), unit="tok", unit_scale=True, disable=not show,
-               desc=f"ppl@{length}", dynamic_ncols=True)
+    bar = progress_bar(total=sum(w.tokens for w in windows), unit="tok", unit_scale=True, disable=not show,
+                       desc=f"ppl@{length}")
     for i in range(0, len(windows), batch_size):
         batch = windows[i:i + batch_size]
         chunks = [tokens.read(w.start, w.start + max(length, w.score_to + 1)) for w in batch]
@@ -65,12 +67,12 @@ def evaluate_ppl(
     """
     ranks = ranks or EvalRanks()
     if batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {batch_size}")
+        raise InputError(f"--batch-size must be >= 1, got {batch_size}")
     results = []
     for length in lengths:
         need = tokens_needed(length, protocol)
         if tokens.num_tokens < need:
-            raise ValueError(f"length {length} needs at least {need} tokens ({protocol} protocol) but "
+            raise InputError(f"length {length} needs at least {need} tokens ({protocol} protocol) but "
                              f"{tokens.description} holds {tokens.num_tokens}; drop that length from --lengths, "
                              "raise --max-tokens or use more data")
         if model.max_seq_len and length > model.max_seq_len:
@@ -99,13 +101,13 @@ def resolve_protocol(
     if protocol is None:
         protocol = "sliding" if stride is not None else "nonoverlap"
     if reference_ranks != 1 and protocol != "longlora":
-        raise ValueError(f"--reference-ranks applies to --protocol longlora, not {protocol}; drop it")
+        raise InputError(f"--reference-ranks applies to --protocol longlora, not {protocol}; drop it")
     if reference_batch_size is not None and protocol != "longlora-eval":
-        raise ValueError(f"--reference-batch-size applies to --protocol longlora-eval, not {protocol}; drop it")
+        raise InputError(f"--reference-batch-size applies to --protocol longlora-eval, not {protocol}; drop it")
     if protocol != "sliding" and stride is not None:
-        raise ValueError(f"--stride applies to --protocol sliding, not {protocol}; drop --stride or use sliding")
+        raise InputError(f"--stride applies to --protocol sliding, not {protocol}; drop --stride or use sliding")
     if protocol == "sliding" and stride is None:
-        raise ValueError("--protocol sliding needs --stride N (tokens between window starts, e.g. 256)")
+        raise InputError("--protocol sliding needs --stride N (tokens between window starts, e.g. 256)")
     return protocol
 
 
@@ -114,22 +116,49 @@ def run_eval_ppl(
     data: str,
     lengths: list[int] | None = None,
     *,
-    protocol: str | None = None,
+    protocol: Literal["nonoverlap", "sliding", "longlora", "longlora-eval"] | None = None,
     stride: int | None = None,
-    dtype: str = "fp32",
+    dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
     max_tokens: int | None = None,
     batch_size: int = 1,
     tokenizer: str | None = None,
-    token_dtype: str | None = None,
+    token_dtype: Literal["uint16", "uint32"] | None = None,
     step: int | None = None,
     out: str | None = None,
     plot: str | None = None,
     compare: list[str] | None = None,
-    split: str | None = None,
+    split: Literal["val", "train"] | None = None,
     reference_ranks: int = 1,
     reference_batch_size: int | None = None,
 ) -> dict:
-    """The `tapetrain eval-ppl` job: load, evaluate every length, write JSON/PNG and print a table (rank 0)."""
+    """Perplexity across context lengths (token-weighted; several ranks under torchrun/deepspeed).
+
+    The `tapetrain eval ppl` job: load, evaluate every length, write JSON/PNG and print a table (rank 0).
+
+    Args:
+        model_path: Hugging Face export directory or run directory
+        data: flat uint16 .bin (LongLoRA), prepared shard directory, or text
+        lengths: context lengths (default 1024,2048,4096,8192)
+        protocol: nonoverlap (default: each target once); sliding (needs --stride); longlora = the TAPE paper's
+            PPL table: LongLoRA's eval_distributed.py and the TAPE repository's eval_llama.py (starts range(0,
+            N-L, 256), all L-1 predictions of each window scored, token-weighted); longlora-eval = LongLoRA's
+            eval.py (the same starts minus the last, mean of per-batch mean losses, 2.71828**loss)
+        stride: sliding protocol: tokens between window starts
+        dtype: compute dtype (the references ran fp16)
+        max_tokens: evaluate the first N tokens of the data only
+        batch_size: windows per forward pass
+        tokenizer: sentencepiece .model for text data (default: the model's)
+        token_dtype: .bin id width (default uint16)
+        step: run directories: checkpoint step (default newest)
+        out: result JSON
+        plot: PNG of PPL vs length (with any --compare results)
+        compare: earlier result JSON files to plot too
+        split: shard directories: split to evaluate (default val; without a val split, --split train must be
+            given)
+        reference_ranks: longlora: the GPUs the reference ran on; DistributedSampler then repeats windows to a
+            multiple of R (1: no repeats)
+        reference_batch_size: longlora-eval: windows per averaged batch, eval.py's --batch_size (default 32)
+    """
     protocol = resolve_protocol(protocol, stride, reference_ranks, reference_batch_size)
     reference_batch_size = reference_batch_size or LONGLORA_EVAL_BATCH
     lengths = sorted(set(lengths or DEFAULT_LENGTHS))

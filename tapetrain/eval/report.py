@@ -6,6 +6,7 @@ import json
 import os
 import tempfile
 
+from tapetrain.errors import InputError, MissingInputError
 from tapetrain.file_modes import use_umask_mode
 
 
@@ -28,11 +29,11 @@ def write_json_atomic(path: str, obj: dict) -> None:
 
 def read_json(path: str) -> dict:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"result file {path} does not exist; pass JSON files written with --out")
+        raise MissingInputError(f"result file {path} does not exist; pass JSON files written with --out")
     with open(path) as f:
         report = json.load(f)
     if not isinstance(report, dict) or not isinstance(report.get("results"), list):
-        raise ValueError(f"{path} is not an eval result (no 'results' list); pass JSON files written with --out")
+        raise InputError(f"{path} is not an eval result (no 'results' list); pass JSON files written with --out")
     return report
 
 
@@ -78,7 +79,9 @@ def save_figure(fig, out_png: str) -> None:
     _save_figure(fig, out_png)
 
 
-def _line_plot(reports: list[dict], key: str, ylabel: str, title: str, out_png: str, log_y: bool) -> None:
+def _line_figure(reports: list[dict], key: str, ylabel: str, title: str, log_y: bool, ylim=None):
+    """One line per report of `key` vs context length; `ylim` fixes the y-axis (an accuracy is 0..1 whatever the
+    values, or an all-zero result would get an axis of -0.04..0.04)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -88,7 +91,8 @@ def _line_plot(reports: list[dict], key: str, ylabel: str, title: str, out_png: 
     trained, lengths, values = set(), set(), []
     for report in reports:
         rows = sorted(report["results"], key=lambda r: r["length"])
-        ax.plot([r["length"] for r in rows], [r[key] for r in rows], marker="o", label=_label(report))
+        ax.plot([r["length"] for r in rows], [r[key] for r in rows], marker="o", label=_label(report),
+                clip_on=ylim is None)  # markers on a fixed axis's edge (accuracy 0 or 1) stay whole
         lengths.update(r["length"] for r in rows)
         values.extend(r[key] for r in rows)
         if report.get("trained_context"):
@@ -100,20 +104,32 @@ def _line_plot(reports: list[dict], key: str, ylabel: str, title: str, out_png: 
     ax.minorticks_off()
     if log_y and values and min(values) > 0 and max(values) / min(values) > 10:  # log only for wide ranges
         ax.set_yscale("log")
+    if ylim is not None:
+        ax.set_ylim(*ylim)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    return fig
+
+
+def _save_and_close(fig, out_png: str) -> None:
+    import matplotlib.pyplot as plt
+
     _save_figure(fig, out_png)
     plt.close(fig)
 
 
 def plot_ppl(results: list[dict], out_png: str) -> None:
-    """PPL vs context length, one line per eval-ppl result dict (dotted lines mark the training contexts)."""
-    _line_plot(results, "ppl", "perplexity", "Perplexity vs context length", out_png, log_y=True)
+    """PPL vs context length, one line per `eval ppl` result dict (dotted lines mark the training contexts)."""
+    _save_and_close(_line_figure(results, "ppl", "perplexity", "Perplexity vs context length", log_y=True), out_png)
+
+
+def passkey_figure(results: list[dict]):
+    """Passkey accuracy (y from 0 to 1) vs context length, one line per `eval passkey` result dict."""
+    return _line_figure(results, "accuracy", "passkey accuracy", "Passkey retrieval", log_y=False, ylim=(0.0, 1.0))
 
 
 def plot_passkey(results: list[dict], out_png: str) -> None:
-    """Passkey accuracy vs context length, one line per eval-passkey result dict."""
-    _line_plot(results, "accuracy", "passkey accuracy", "Passkey retrieval", out_png, log_y=False)
+    _save_and_close(passkey_figure(results), out_png)

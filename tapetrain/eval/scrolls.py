@@ -1,4 +1,4 @@
-"""`tapetrain eval-scrolls`: generate answers for a SCROLLS split and score them with SCROLLS' metrics.
+"""`tapetrain eval scrolls`: generate answers for a SCROLLS split and score them with SCROLLS' metrics.
 
 Generation follows the TAPE paper's official evaluation: the prompt is built exactly as for fine-tuning
 (tapetrain.data.scrolls.PromptBuilder); QA tasks decode greedily for at most 200 new tokens; summaries sample
@@ -14,16 +14,18 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Literal
 
 import torch
-from tqdm import tqdm
 
-from tapetrain.data.scrolls import TASKS, PromptBuilder, iter_records, references_by_id
+from tapetrain.data.scrolls import TASKS, PromptBuilder, ScrollsTask, iter_records, references_by_id
 from tapetrain.distributed import EvalRanks, init_eval_ranks
+from tapetrain.errors import InputError, MissingInputError
 from tapetrain.eval.decoding import GREEDY, Sampling, generate
 from tapetrain.eval.models import EvalModel, load_eval_model
 from tapetrain.eval.report import write_json_atomic
 from tapetrain.eval.scrolls_metrics import TASK_METRIC, score
+from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -49,7 +51,7 @@ def generate_predictions(model: EvalModel, tokenizer, task: str, inputs: dict[st
     mine = list(range(ranks.rank, len(ids), ranks.world_size))
     out: dict[str, str] = {}
     new_tokens, start = 0, time.perf_counter()
-    bar = tqdm(mine, desc=f"eval-scrolls {task}", unit="example", disable=not ranks.is_main, dynamic_ncols=True)
+    bar = progress_bar(mine, desc=f"eval scrolls {task}", unit="example", disable=not ranks.is_main)
     for index in bar:
         prompt, _ = builder.prompt(inputs[ids[index]])
         torch.manual_seed(seed * 1_000_003 + index)  # transformers samples from the global generator
@@ -79,11 +81,11 @@ def read_predictions(path: str) -> dict[str, str]:
         with open(path, encoding="utf-8") as f:
             predictions = json.load(f)
     except FileNotFoundError as err:
-        raise FileNotFoundError(f"--predictions {path} does not exist") from err
+        raise MissingInputError(f"--predictions {path} does not exist") from err
     except json.JSONDecodeError as err:
-        raise ValueError(f"--predictions {path} is not JSON ({err}); write {{\"id\": \"prediction\", ...}}") from err
+        raise InputError(f"--predictions {path} is not JSON ({err}); write {{\"id\": \"prediction\", ...}}") from err
     if not isinstance(predictions, dict):
-        raise ValueError(f"--predictions {path} must hold a JSON object mapping ids to predicted text")
+        raise InputError(f"--predictions {path} must hold a JSON object mapping ids to predicted text")
     return predictions
 
 
@@ -93,15 +95,34 @@ def format_scrolls_line(report: dict) -> str:
             f"{report['scores']['scrolls_score_key']} = {report['scores']['scrolls_score']:.2f} ({', '.join(parts)})")
 
 
-def run_eval_scrolls(model_path: str, task: str, data: str, out: str, *, predictions: str | None = None,
+def run_eval_scrolls(model_path: str, task: ScrollsTask, data: str, out: str, *, predictions: str | None = None,
                      tokenizer: str | None = None, seq_len: int = 8192, max_answer_tokens: int | None = None,
-                     max_examples: int | None = None, seed: int = 0, dtype: str = "fp32",
+                     max_examples: int | None = None, seed: int = 0, dtype: Literal["fp32", "bf16"] = "fp32",
                      step: int | None = None) -> dict:
-    """The `tapetrain eval-scrolls` job: references from `data`, predictions generated (or read), scores written."""
+    """SCROLLS generation and scoring (EM, F1, ROUGE).
+
+    Generates answers for SCROLLS records as the TAPE paper's code did (greedy QA, sampled summaries) and scores
+    them with SCROLLS' metrics; or scores --predictions. Runs on several ranks under torchrun/deepspeed.
+
+    Args:
+        model_path: run directory or Hugging Face export (not loaded with --predictions)
+        task: the SCROLLS task
+        data: SCROLLS records with outputs (the validation split): .jsonl/.json/.parquet or
+            hf:tau/scrolls:NAME:validation
+        out: result JSON: scores, settings and every prediction
+        predictions: score these predictions (a JSON file {id: text}) instead of generating
+        tokenizer: sentencepiece .model (default: the model's)
+        seq_len: prompt + answer budget, as in fine-tuning
+        max_answer_tokens: new tokens at most (default: 200 for QA, 1000 for summaries)
+        max_examples: evaluate the first N ids only
+        seed: sampling seed of the summary tasks
+        dtype: compute dtype
+        step: run directories: checkpoint step (default newest)
+    """
     from tapetrain.data.tokenizer import Tokenizer
 
     if task not in TASKS:
-        raise ValueError(f"unknown SCROLLS task {task!r}; choose one of {', '.join(sorted(TASKS))}")
+        raise InputError(f"unknown SCROLLS task {task!r}; choose one of {', '.join(sorted(TASKS))}")
     inputs, references = references_by_id(list(iter_records(data)))
     if max_examples is not None:
         keep = list(inputs)[:max_examples]
@@ -118,7 +139,7 @@ def run_eval_scrolls(model_path: str, task: str, data: str, out: str, *, predict
             model = load_eval_model(model_path, dtype, step)
             path = tokenizer or model.tokenizer
             if not path:
-                raise ValueError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the "
+                raise InputError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the "
                                  "model was trained with)")
             tok = Tokenizer(path)
             local = generate_predictions(model, tok, task, inputs, seq_len=seq_len,

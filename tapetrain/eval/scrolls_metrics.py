@@ -20,6 +20,8 @@ import string
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
+from tapetrain.errors import InputError, MissingPackageError
+
 TASK_METRIC = {
     "quality": "exact_match",
     "contract_nli": "exact_match",
@@ -65,8 +67,9 @@ def _rouge_scorer():
     try:
         from rouge_score import rouge_scorer
     except ImportError as err:
-        raise ImportError("SCROLLS' summary tasks are scored with the `rouge-score` package, which is not installed; "
-                          "run: pip install 'tapetrain[scrolls]' (or pip install rouge-score)") from err
+        raise MissingPackageError("SCROLLS' summary tasks are scored with the `rouge-score` package, which is not "
+                                  "installed; run: pip install 'tapetrain[scrolls]' (or pip install rouge-score)"
+                                  ) from err
 
     return rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=False)
 
@@ -74,21 +77,21 @@ def _rouge_scorer():
 def check_ids(predictions: Mapping[str, str], references: Mapping[str, Sequence[str]]) -> None:
     """The official scorer's format checks: a prediction for every id and none for unknown ids, all strings."""
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in predictions.items()):
-        raise ValueError("predictions must map id strings to prediction strings, e.g. {\"id1\": \"text\"}")
+        raise InputError("predictions must map id strings to prediction strings, e.g. {\"id1\": \"text\"}")
     missing = sorted(set(references) - set(predictions))
     extra = sorted(set(predictions) - set(references))
     if missing or extra:
-        raise ValueError(f"predictions and references disagree on ids: {len(missing)} missing (e.g. {missing[:3]}), "
+        raise InputError(f"predictions and references disagree on ids: {len(missing)} missing (e.g. {missing[:3]}), "
                          f"{len(extra)} unknown (e.g. {extra[:3]}); predict every id of the data file and no other")
 
 
 def score(task: str, predictions: Mapping[str, str], references: Mapping[str, Sequence[str]]) -> dict:
     """The task's metric over all ids: {metric keys in percent, scrolls_score, num_predicted}."""
     if task not in TASK_METRIC:
-        raise ValueError(f"unknown SCROLLS task {task!r}; choose one of {', '.join(sorted(TASK_METRIC))}")
+        raise InputError(f"unknown SCROLLS task {task!r}; choose one of {', '.join(sorted(TASK_METRIC))}")
     check_ids(predictions, references)
     if not references:
-        raise ValueError("no references to score against; the data file holds no example")
+        raise InputError("no references to score against; the data file holds no example")
     ids = sorted(references)
     metric = TASK_METRIC[task]
     if metric == "rouge":

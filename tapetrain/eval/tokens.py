@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tapetrain.data.errors import DataError
+from tapetrain.errors import InputError, MissingInputError
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -32,29 +33,29 @@ class EvalTokens:
         if max_tokens is None or max_tokens >= self.num_tokens:
             return self
         if max_tokens < 1:
-            raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+            raise InputError(f"--max-tokens must be >= 1, got {max_tokens}")
         return EvalTokens(self.read, max_tokens, f"{self.description} (first {max_tokens} tokens)", self.vocab_size,
                           self.tokenizer_sha256)
 
     def check_tokenizer(self, model_sha256: str | None, model_name: str) -> None:
         """Raise when the data's tokenizer is known, the model's too, and they differ (same vocab size or not)."""
         if self.tokenizer_sha256 and model_sha256 and self.tokenizer_sha256 != model_sha256:
-            raise ValueError(f"{self.description} was tokenized with a tokenizer of sha256 "
+            raise InputError(f"{self.description} was tokenized with a tokenizer of sha256 "
                              f"{self.tokenizer_sha256[:12]}… but {model_name} was trained with sha256 "
                              f"{model_sha256[:12]}…: its token ids mean "
                              "something else to this model. Evaluate data prepared with the model's tokenizer "
-                             "(`tapetrain prepare --tokenizer` with the model's tokenizer.model, or pass text)")
+                             "(`tapetrain data prepare --tokenizer` with the model's tokenizer.model, or pass text)")
 
     def check_vocab(self, model_vocab: int, block: int = 1 << 22) -> None:
         """Raise naming the first id >= the model's vocabulary (scans the stream in blocks)."""
         if self.vocab_size is not None and self.vocab_size > model_vocab:
-            raise ValueError(f"{self.description} was tokenized with a {self.vocab_size}-token vocabulary but the "
+            raise InputError(f"{self.description} was tokenized with a {self.vocab_size}-token vocabulary but the "
                              f"model has vocab_size={model_vocab}; evaluate with data made by the model's tokenizer")
         for start in range(0, self.num_tokens, block):
             part = self.read(start, min(start + block, self.num_tokens))
             if len(part) and int(part.max()) >= model_vocab:
                 pos = start + int(np.argmax(part >= model_vocab))
-                raise ValueError(f"{self.description} holds token id {int(part.max())} (first bad id at position "
+                raise InputError(f"{self.description} holds token id {int(part.max())} (first bad id at position "
                                  f"{pos}) >= the model's vocab_size={model_vocab}: the data was made with another "
                                  "tokenizer or is read with the wrong --token-dtype")
 
@@ -65,14 +66,14 @@ def _open_shards(path: str, token_dtype: str | None, split: str | None) -> EvalT
 
     manifest = load_manifest(path)
     if token_dtype is not None and token_dtype != manifest["dtype"]:
-        raise ValueError(f"dtype mismatch: {path}/manifest.json stores {manifest['dtype']} ids but --token-dtype "
+        raise InputError(f"dtype mismatch: {path}/manifest.json stores {manifest['dtype']} ids but --token-dtype "
                          f"{token_dtype} was given; drop --token-dtype (shard directories know their dtype)")
     has_val = bool(manifest.get("splits", {}).get("val", {}).get("shards"))
     if split is None and not has_val:  # never fall back to training data silently: that is in-sample perplexity
-        raise ValueError(f"{path} has no val split; pass --split train to evaluate on its training split "
-                         "(in-sample perplexity), or re-run `tapetrain prepare` with --val-fraction F")
+        raise InputError(f"{path} has no val split; pass --split train to evaluate on its training split "
+                         "(in-sample perplexity), or re-run `tapetrain data prepare` with --val-fraction F")
     if split == "val" and not has_val:
-        raise ValueError(f"--split val: {path} has no val split; re-run `tapetrain prepare` with --val-fraction F "
+        raise InputError(f"--split val: {path} has no val split; re-run `tapetrain data prepare` with --val-fraction F "
                          "or pass --split train")
     split = split or "val"
     if split == "train":
@@ -93,7 +94,7 @@ def _open_flat(path: str, token_dtype: str | None) -> EvalTokens:
 
 def _open_text(path: str, tokenizer: str | None) -> EvalTokens:
     if not tokenizer:
-        raise ValueError(f"{path} is text and needs a tokenizer: pass --tokenizer PATH (a sentencepiece .model), "
+        raise InputError(f"{path} is text and needs a tokenizer: pass --tokenizer PATH (a sentencepiece .model), "
                          "or evaluate a model whose export/run names one")
     from tapetrain.data.sources import iter_documents
     from tapetrain.data.tokenizer import Tokenizer
@@ -103,7 +104,7 @@ def _open_text(path: str, tokenizer: str | None) -> EvalTokens:
     for doc in iter_documents(path):
         ids.extend(tok.encode(doc.text))
         if tok.eos_id >= 0:
-            ids.append(tok.eos_id)  # documents end with EOS, as `tapetrain prepare` writes them
+            ids.append(tok.eos_id)  # documents end with EOS, as `tapetrain data prepare` writes them
     array = np.asarray(ids, dtype=np.int64)
     log.info("tokenized %s with %s: %d tokens", path, tokenizer, len(array))
     return EvalTokens(lambda a, b: array[a:b], len(array), f"{path} (tokenized)", tok.vocab_size, tok.checksum)
@@ -114,16 +115,17 @@ def open_eval_tokens(
 ) -> EvalTokens:
     """Open `path`: a directory with manifest.json (its `split`; by default val, and an error naming --split train
     when it has none), a flat .bin of `token_dtype` ids (default uint16, the LongLoRA layout), or any text input
-    `tapetrain prepare` reads."""
+    `tapetrain data prepare` reads."""
     if token_dtype is not None and token_dtype not in TOKEN_DTYPES:
-        raise ValueError(f"--token-dtype {token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+        raise InputError(f"--token-dtype {token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
     if split is not None and split not in SPLITS:
-        raise ValueError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
+        raise InputError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
     if split is not None and not os.path.isdir(path):
-        raise ValueError(f"--split applies to shard directories written by `tapetrain prepare`, not {path}; drop it")
+        raise InputError(f"--split applies to shard directories written by `tapetrain data prepare`, not {path}; "
+                         "drop it")
     if not os.path.exists(path):
-        raise FileNotFoundError(f"eval data {path} does not exist; pass a flat .bin token file, a `tapetrain "
-                                "prepare` output directory or a text file")
+        raise MissingInputError(f"eval data {path} does not exist; pass a flat .bin token file, a `tapetrain "
+                                "data prepare` output directory or a text file")
     try:
         if os.path.isdir(path):
             return _open_shards(path, token_dtype, split)
@@ -131,4 +133,4 @@ def open_eval_tokens(
             return _open_flat(path, token_dtype)
         return _open_text(path, tokenizer)
     except DataError as err:  # name the problem in the eval's terms but keep the data layer's fix
-        raise ValueError(f"eval data: {err}") from err
+        raise InputError(f"eval data: {err}") from err

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
+from tapetrain.errors import InputError
+
 PROTOCOLS = ("nonoverlap", "sliding", "longlora", "longlora-eval")
 REFERENCE_PROTOCOLS = ("longlora", "longlora-eval")
 LONGLORA_STEP = 256  # both LongLoRA scripts' sliding_window
@@ -79,24 +81,24 @@ def make_windows(
 ) -> list[Window]:
     """All windows of `length` over a stream of `n_tokens` for `protocol` (see the module docstring)."""
     if length < 2 and protocol in REFERENCE_PROTOCOLS:
-        raise ValueError(f"length {length} is too short for the {protocol} protocol (it scores length − 1 tokens)")
+        raise InputError(f"length {length} is too short for the {protocol} protocol (it scores length − 1 tokens)")
     if length < 1:
-        raise ValueError(f"length must be >= 1, got {length}")
+        raise InputError(f"length must be >= 1, got {length}")
     if reference_ranks < 1:
-        raise ValueError(f"--reference-ranks must be >= 1, got {reference_ranks}")
+        raise InputError(f"--reference-ranks must be >= 1, got {reference_ranks}")
     if reference_ranks > 1 and protocol != "longlora":
-        raise ValueError(f"--reference-ranks applies to --protocol longlora (DistributedSampler padding), not "
+        raise InputError(f"--reference-ranks applies to --protocol longlora (DistributedSampler padding), not "
                          f"{protocol}; drop it")
     if protocol == "nonoverlap":
         return [Window(s, 0, length) for s in range(0, n_tokens - length, length)]
     if protocol == "sliding":
         if stride is None or not 1 <= stride <= length:
-            raise ValueError(f"--stride {stride} must be between 1 and the length {length} for the sliding protocol")
+            raise InputError(f"--stride {stride} must be between 1 and the length {length} for the sliding protocol")
         return [Window(s, 0 if s == 0 else length - stride, length) for s in range(0, n_tokens - length, stride)]
     if protocol in REFERENCE_PROTOCOLS:
         windows = [Window(s, 0, length - 1) for s in reference_starts(n_tokens, length, protocol == "longlora-eval")]
         return windows + [windows[i] for i in distributed_sampler_padding(len(windows), reference_ranks)]
-    raise ValueError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
+    raise InputError(f"unknown protocol {protocol!r}; choose one of {', '.join(PROTOCOLS)}")
 
 
 def aggregate(protocol: str, nll: list[float], counts: list[int], batch: int = LONGLORA_EVAL_BATCH) -> dict:
@@ -109,7 +111,7 @@ def aggregate(protocol: str, nll: list[float], counts: list[int], batch: int = L
         mean = sum(nll) / sum(counts)
         return {"nll": mean, "ppl": math.exp(mean), "batches": None}
     if batch < 1:
-        raise ValueError(f"--reference-batch-size must be >= 1, got {batch}")
+        raise InputError(f"--reference-batch-size must be >= 1, got {batch}")
     means = [sum(nll[i:i + batch]) / sum(counts[i:i + batch]) for i in range(0, len(nll), batch)]
     mean = sum(means) / len(means)
     return {"nll": mean, "ppl": LONGLORA_E**mean, "batches": len(means)}

@@ -1,22 +1,16 @@
-"""Entry point for `python -m tapetrain.train` and `deepspeed --module tapetrain.train CONFIG.yaml [KEY=VALUE ...]`.
-
-The deepspeed launcher passes `--local_rank=N`; rank and world size are read from the environment instead.
-"""
+"""`python -m tapetrain.train CONFIG.yaml [KEY=VALUE ...]` = `tapetrain train ...`: the form the deepspeed launcher
+starts (`deepspeed --module tapetrain.train`, which adds `--local_rank=N`; rank and world size come from the
+environment)."""
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
-from tapetrain.train.arguments import configure_train_parser
+from tapetrain.cli import main as cli_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = configure_train_parser(argparse.ArgumentParser(prog="python -m tapetrain.train"))
-    args = parser.parse_intermixed_args(argv)  # overrides may come before or after --dry-run / --print-config
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)], prog="python -m tapetrain.train")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,7 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
     def check() -> None:
         resume = checkpoints.check()  # the checkpoint to resume from, and that it holds this model
         if not cfg.data.train:
-            raise ConfigError("data.train is empty; point it at a directory written by `tapetrain prepare`")
+            raise ConfigError("data.train is empty; point it at a directory written by `tapetrain data prepare`")
         seq_len, vocab = cfg.data.seq_len, model_config.vocab_size
         train = open_dataset(_data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=vocab, seed=cfg.run.seed,
                              packing=cfg.data.packing)
@@ -111,8 +111,8 @@ def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
 
 
 def _with_example_tokenizer(cfg: RunConfig) -> RunConfig:
-    """data.tokenizer defaults to the tokenizer.model inside an example store (arith/scrolls data), so the run's
-    config.yaml names it and export-hf / the eval tools decode without being told."""
+    """data.tokenizer defaults to the tokenizer.model inside an example store (data arith/scrolls), so the run's
+    config.yaml names it and `tapetrain export hf` / the eval tools decode without being told."""
     from tapetrain.data.examples import tokenizer_of
 
     if cfg.data.tokenizer or not cfg.data.train:

@@ -12,6 +12,8 @@ import re
 import torch
 from torch import nn
 
+from tapetrain.errors import ConfigError
+
 
 def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: list[str]) -> nn.Module:
     from peft import LoraConfig, inject_adapter_in_model
@@ -19,7 +21,7 @@ def apply_lora(model: nn.Module, r: int, alpha: float, dropout: float, targets: 
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=list(targets), bias="none")
     model = inject_adapter_in_model(config, model)
     if not any("lora_" in name for name, _ in model.named_parameters()):
-        raise ValueError(f"train.lora.targets={targets} matched no Linear layer; use names like q_proj, v_proj")
+        raise ConfigError(f"train.lora.targets={targets} matched no Linear layer; use names like q_proj, v_proj")
     return model
 
 

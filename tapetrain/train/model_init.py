@@ -1,5 +1,5 @@
 """Build the model for a run: from scratch, or from `model.init_from`: a Hugging Face Llama checkpoint, a tapetrain
-export (export-hf) or a tapetrain run directory / checkpoint (tapetrain.checkpoint.init_source).
+export (tapetrain export hf) or a tapetrain run directory / checkpoint (tapetrain.checkpoint.init_source).
 
 For a checkpoint the model never exists in fp32 on the host:
   ZeRO-3     constructed under deepspeed.zero.Init, so each rank holds 1/N of every parameter; modules are

@@ -36,7 +36,7 @@ RESUMABLE_SETTINGS = ("optim", "train.grad_clip", "train.steps")
 def _ways_out(run_dir: Path) -> str:
     return (f"A run directory holds one model. To train the changed model, set run.out_dir to a new directory; to "
             f"warm-start it from these weights on purpose, do that with model.init_from pointing at a Hugging Face "
-            f"export of them (`tapetrain export-hf {run_dir} --out DIR`); to continue this run, restore the values "
+            f"export of them (`tapetrain export hf {run_dir} --out DIR`); to continue this run, restore the values "
             "above")
 
 

@@ -16,6 +16,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("tapetrain.train")
 
 
+def train(config: str, overrides: list[str] | None = None, print_config: bool = False, world_size: int | None = None,
+          dry_run: bool = False) -> int:
+    """Train from a YAML run config (one process or any launcher rank).
+
+    One process, or one rank of a launcher: rank and world size come from the environment, and the launcher's
+    --local_rank is accepted and ignored. Overrides may come before or after the options.
+
+      tapetrain train configs/tiny-cpu.yaml train.steps=20
+      deepspeed --num_gpus 8 --module tapetrain.train configs/paper-155m-tape.yaml train.steps=2000
+      torchrun --nproc_per_node 8 -m tapetrain.train configs/paper-155m-tape.yaml
+      launch/single_node.sh | launch/multi_node.sh | launch/slurm.sbatch (stop them cleanly with SIGTERM)
+
+    Every config key, its default and meaning: docs/config-reference.md.
+
+    Args:
+        config: run config (may start with `base: other.yaml`; see configs/ for examples)
+        overrides: dotted overrides, parsed as YAML: train.steps=20 'data.train=[a, b]' optim.lr=1e-4
+        print_config: print the resolved config, the DeepSpeed JSON, gradient accumulation, tokens per step and the
+            memory estimate per GPU, then exit (reads no data, starts nothing)
+        world_size: with --print-config: derive for N ranks (default: $WORLD_SIZE, else 1)
+        dry_run: check config, data, tokenizer, resume compatibility and free disk space as a start would, write
+            nothing and exit before training (works under a launcher too)
+    """
+    code = train_from_args(config, overrides or [], print_config=print_config, dry_run=dry_run,
+                           world_size=world_size)
+    if code != 0:  # the process exits next; callers of train_from_args that go on keep their process group
+        leave_process_group()
+    return code
+
+
 def train_from_args(config_path: str, overrides: list[str], *, print_config: bool = False, dry_run: bool = False,
                     world_size: int | None = None) -> int:
     """Exit code 0 when training finished or stopped cleanly (signal), 1 when it refused to start or had to stop;

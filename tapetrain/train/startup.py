@@ -13,7 +13,7 @@ log = logging.getLogger("tapetrain.train")
 PHASES = ("config", "data", "model", "engine", "first step")
 
 
-def _since_process_start() -> float | None:
+def since_process_start() -> float | None:
     """Seconds since this process was created (imports and launcher start-up included), when psutil can tell."""
     try:
         import psutil
@@ -30,7 +30,7 @@ class StartupClock:
     are part of it."""
 
     def __init__(self) -> None:
-        self.last = time.perf_counter() - (_since_process_start() or 0.0)
+        self.last = time.perf_counter() - (since_process_start() or 0.0)
 
     def _tag(self, phase: str) -> str:
         return f"start-up [{PHASES.index(phase) + 1}/{len(PHASES)}] {phase}"
@@ -45,7 +45,7 @@ class StartupClock:
         if phase == PHASES[0]:
             total = " since the process started: imports, config, process group"
         if phase == PHASES[-1]:
-            since_start = _since_process_start()
+            since_start = since_process_start()
             if since_start is not None:
                 total = f"; {since_start:.1f} s from process start to the end of the first step"
         log.info("%s: %s (%.1f s%s)", self._tag(phase), detail, seconds, total)

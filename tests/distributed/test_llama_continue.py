@@ -82,7 +82,7 @@ def test_lora_run_from_llama_merges_on_export(tiny_llama, tmp_path, shard_dir):
     )
     run(launcher_cmd(cfg, 2))
     export = tmp_path / "hf"
-    run([sys.executable, "-m", "tapetrain.cli", "export-hf", str(out), "--out", str(export)])
+    run([sys.executable, "-m", "tapetrain.cli", "export", "hf", str(out), "--out", str(export)])
     config = json.loads((export / "config.json").read_text())
     assert config["model_type"] == "llama" and "auto_map" not in config  # plain Llama, LoRA merged
     exported = LlamaForCausalLM.from_pretrained(export).eval()

@@ -58,6 +58,15 @@ def test_start_up_phases_saves_and_validation_are_logged(feature_run):
     assert "FutureWarning" not in out and "Traceback" not in out
 
 
+def test_a_finished_run_ends_with_a_closing_line(feature_run):
+    """A finished run used to end in silence after the last save: no word that it was done or what comes next."""
+    _, run_dir, out = feature_run
+    lines = [line for line in out.splitlines() if "tapetrain.train:" in line]
+    assert re.search(rf"done: {re.escape(str(run_dir))}, 3 steps in \d+s; next: tapetrain export hf "
+                     rf"{re.escape(str(run_dir))} --out \S+", lines[-1]), lines[-3:]
+    assert out.index("saved checkpoint") < out.index("done: ")
+
+
 def test_files_written_atomically_respect_the_umask(feature_run):
     _, run_dir, _ = feature_run
     mine = [p for p in run_dir.rglob("*") if p.is_file() and "wandb" not in p.parts]

@@ -1,6 +1,6 @@
 """SCROLLS end to end through the public commands on local files in SCROLLS' record format, as a fresh clone runs
-it: synthetic key-value records -> `tapetrain scrolls data` -> train -> fine-tune from that run directory
-(model.init_from) -> `eval-scrolls` on one rank and on two (same predictions). Kept short: the loss must fall far
+it: synthetic key-value records -> `tapetrain data scrolls` -> train -> fine-tune from that run directory
+(model.init_from) -> `eval scrolls` on one rank and on two (same predictions). Kept short: the loss must fall far
 below chance and the fine-tuning must continue from the trained weights; the full-length run that reaches high
 exact match is a measured result in the README. Also init_from with a tapetrain run directory and export."""
 
@@ -34,7 +34,7 @@ def test_synthetic_scrolls_data_train_fine_tune_eval(tmp_path):
     kv, data = tmp_path / "kv", tmp_path / "kv-data"
     run([sys.executable, str(REPO / "tools" / "synthetic_scrolls.py"), "--out", str(kv), "--train", "2000",
          "--validation", "16"])
-    run([*CLI, "scrolls", "data", "--task", "quality", "--input", str(kv / "train.jsonl"), "--tokenizer",
+    run([*CLI, "data", "scrolls", "--task", "quality", "--input", str(kv / "train.jsonl"), "--tokenizer",
          str(kv / "tokenizer.model"), "--out", str(data), *SEQ])
     config = str(REPO / "configs" / "scrolls-synthetic-cpu.yaml")
     first, second = tmp_path / "pretrain", tmp_path / "finetune"
@@ -49,15 +49,16 @@ def test_synthetic_scrolls_data_train_fine_tune_eval(tmp_path):
     assert b[0] < 0.7 * a[0] and abs(b[0] - sum(a[-5:]) / 5) < 0.4, (a[-5:], b[:3])
 
     out = tmp_path / "r.json"
-    run([*CLI, "eval-scrolls", str(second), "--task", "quality", "--data", str(kv / "validation.jsonl"),
+    run([*CLI, "eval", "scrolls", str(second), "--task", "quality", "--data", str(kv / "validation.jsonl"),
          "--out", str(out), *SEQ])
     report = json.loads(out.read_text())
     assert report["num_predicted"] == 16 and report["generation"]["greedy"] and report["world_size"] == 1
     assert 0.0 <= report["scores"]["exact_match"] <= 100.0 and len(report["predictions"]) == 16
 
     torchrun = Path(sys.executable).with_name("torchrun")
-    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "tapetrain.cli", "eval-scrolls", str(second),
-           "--task", "quality", "--data", str(kv / "validation.jsonl"), "--out", str(tmp_path / "two.json"), *SEQ]
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "tapetrain.cli", "eval", "scrolls",
+           str(second), "--task", "quality", "--data", str(kv / "validation.jsonl"), "--out",
+           str(tmp_path / "two.json"), *SEQ]
     subprocess.run(cmd, check=True, env={**env(), "PYTHONPATH": str(REPO)}, cwd=REPO, timeout=600,
                    capture_output=True)
     two = json.loads((tmp_path / "two.json").read_text())
@@ -66,14 +67,14 @@ def test_synthetic_scrolls_data_train_fine_tune_eval(tmp_path):
 
 
 def test_fixture_summaries_data_fine_tune_eval(tmp_path):
-    """The summary path on the local fixture records: a tokenizer trained on them, `scrolls data` (head + tail
-    truncation), a few DeepSpeed steps, then `eval-scrolls` sampling summaries and scoring them with ROUGE."""
+    """The summary path on the local fixture records: a tokenizer trained on them, `data scrolls` (head + tail
+    truncation), a few DeepSpeed steps, then `eval scrolls` sampling summaries and scoring them with ROUGE."""
     tok, data, run_dir = tmp_path / "tok.model", tmp_path / "gov", tmp_path / "run"
-    run([*CLI, "tokenizer", "train", "--input", str(FIXTURES / "*.jsonl"), "--text-key", "input", "--vocab-size",
+    run([*CLI, "data", "tokenizer", "--input", str(FIXTURES / "*.jsonl"), "--text-key", "input", "--vocab-size",
          "320", "--out", str(tok)])
     fixture = str(FIXTURES / "gov_report.jsonl")
     sizes = ["--seq-len", "64", "--max-answer-tokens", "16"]
-    run([*CLI, "scrolls", "data", "--task", "gov_report", "--input", fixture, "--tokenizer", str(tok),
+    run([*CLI, "data", "scrolls", "--task", "gov_report", "--input", fixture, "--tokenizer", str(tok),
          "--out", str(data), *sizes])
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["task"]["records"] == 3 and manifest["task"]["truncated_prompts"] > 0
@@ -81,7 +82,7 @@ def test_fixture_summaries_data_fine_tune_eval(tmp_path):
                           train={"steps": 3, "global_batch_size": 4, "save_interval": 3})
     run([*CLI, "train", str(config)])
     out = tmp_path / "gov.json"
-    run([*CLI, "eval-scrolls", str(run_dir), "--task", "gov_report", "--data", fixture, "--out", str(out), *sizes])
+    run([*CLI, "eval", "scrolls", str(run_dir), "--task", "gov_report", "--data", fixture, "--out", str(out), *sizes])
     report = json.loads(out.read_text())
     assert report["generation"]["greedy"] is False and report["generation"]["max_new_tokens"] == 16
     assert report["num_predicted"] == len(report["predictions"]) == 2  # 3 records, 2 ids

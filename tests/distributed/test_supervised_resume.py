@@ -1,4 +1,4 @@
-"""Supervised examples (tapetrain arith data) through real DeepSpeed training, tested as the LM reader is: the same
+"""Supervised examples (tapetrain data arith) through real DeepSpeed training, tested as the LM reader is: the same
 per-step losses on 1 and 2 ranks, bit-identical losses after SIGKILL + resume, and resume on another rank count."""
 
 import shutil

@@ -1,4 +1,4 @@
-"""`tapetrain arith data`: reversed layout, exact operand lengths, bucket distribution, the evaluation grid, no
+"""`tapetrain data arith`: reversed layout, exact operand lengths, bucket distribution, the evaluation grid, no
 train/eval overlap (counted), the character tokenizer, and clear errors."""
 
 from __future__ import annotations
@@ -143,13 +143,13 @@ def test_no_train_eval_overlap_and_counts(tmp_path):
 
 def test_cli_writes_and_refuses_to_clobber(tmp_path, capsys):
     out = tmp_path / "d"
-    args = ["arith", "data", "--out", str(out), "--max-digits", "3", "--eval-max-digits", "4",
+    args = ["data", "arith", "--out", str(out), "--max-digits", "3", "--eval-max-digits", "4",
             "--train-examples", "500", "--eval-per-cell", "5", "--seed", "1"]
     assert main(args) == 0
     assert "500 training examples" in capsys.readouterr().out
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["task"]["max_digits"] == 3 and manifest["vocab_size"] == VOCAB_SIZE
-    assert main(args) == 2
+    assert main(args) == 1  # a user error: one line, exit 1
     err = capsys.readouterr().err
     assert "already exists" in err and "--overwrite" in err
     assert main(args + ["--overwrite"]) == 0

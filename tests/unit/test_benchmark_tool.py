@@ -93,25 +93,18 @@ def test_engine_mode(tmp_path: Path) -> None:
     assert not out.with_suffix(".png").exists()
 
 
-def test_data_mode_missing_script(tmp_path: Path) -> None:
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "data", "--script", str(tmp_path / "bench_data.py")],
-        capture_output=True, text=True, timeout=60, cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 1 and "is missing" in proc.stdout
-
-
-def test_data_mode_delegates(tmp_path: Path) -> None:
-    script = tmp_path / "bench_data.py"
-    marker = tmp_path / "called.json"
-    script.write_text(
-        "import json, sys\n"
-        "def main(argv=None):\n"
-        f"    open({str(marker)!r}, 'w').write(json.dumps(argv))\n"
-        "    return 0\n"
-    )
-    assert bench.run_data_benchmark(script, ["--out", "x.json"]) == 0
-    assert json.loads(marker.read_text()) == ["--out", "x.json"]
+def test_data_mode(tmp_path: Path) -> None:
+    """The data benchmark lives in the package (it used to be a script that the package loaded by path)."""
+    out = tmp_path / "data.json"
+    proc = _run("data", "--corpus-mb", "0.05", "--vocab", "300", "--reader-tokens", "20000", "--seq-lens", "32,64",
+                "--seconds", "0.05", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert [p["workers"] for p in result["prepare"]] == [1, 2] and result["prepare_identical_1_vs_2_workers"]
+    assert all(_positive(p["tokens_per_s"]) and p["tokens"] == result["prepare"][0]["tokens"]
+               for p in result["prepare"])
+    assert [r["seq_len"] for r in result["reader"]] == [32, 64]
+    assert all(_positive(r["tokens_per_s"]) for r in result["reader"])
+    assert "identical shards: True" in proc.stdout
 
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------

@@ -99,6 +99,13 @@ def test_shipped_config_loads_resolves_and_deepspeed_accepts_it(path, monkeypatc
     assert parsed.zero_optimization_stage == cfg.deepspeed.zero_stage
 
 
+def test_the_tiny_config_takes_a_five_step_smoke_test():
+    """Its fixed 5-step warmup refused `train.steps=5`, the first smoke test people try; a warmup ratio scales."""
+    cfg = load_run_config(str(REPO / "configs" / "tiny-cpu.yaml"), ["train.steps=5"])
+    assert cfg.optim.warmup_for(5) < 5
+    assert load_run_config(str(REPO / "configs" / "tiny-cpu.yaml")).optim.warmup_for(50) == 5  # as before
+
+
 def test_paper_configs_match_the_paper_recipe():
     cfg = load_run_config(str(REPO / "configs" / "paper-155m-tape.yaml"))
     m = cfg.model

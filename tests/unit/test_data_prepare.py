@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import hashlib
 import json
@@ -15,7 +14,6 @@ import sentencepiece as spm
 
 import tapetrain.data.prepare as prepare_module
 from tapetrain.data import format as fmt
-from tapetrain.data.cli import add_prepare_parser, add_tokenizer_parser
 from tapetrain.data.errors import DataError
 from tapetrain.data.prepare import prepare
 from tapetrain.data.tokenizer import Tokenizer, train_tokenizer
@@ -60,7 +58,7 @@ def test_tokenizer_ids_roundtrip_and_checksum(corpus):
 
 
 def test_tokenizer_errors(tmp_path, corpus):
-    with pytest.raises(DataError, match="does not exist; train one with `tapetrain tokenizer train"):
+    with pytest.raises(DataError, match="does not exist; train one with `tapetrain data tokenizer"):
         Tokenizer(str(tmp_path / "missing.model"))
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(DataError, match="is not a sentencepiece model"):
@@ -174,28 +172,23 @@ def test_bad_arguments(corpus, tmp_path):
     assert not (tmp_path / "o").exists()  # nothing touched before the inputs were validated
 
 
-def test_cli_parsers(corpus, tmp_path, capsys):
-    parser = argparse.ArgumentParser(prog="tapetrain")
-    sub = parser.add_subparsers(dest="command")
-    add_tokenizer_parser(sub)
-    add_prepare_parser(sub)
+def test_cli_commands(corpus, tmp_path, capsys):
+    from tapetrain.cli import main
+
     tok = str(tmp_path / "cli.model")
-    args = parser.parse_args(
-        ["tokenizer", "train", "--input", corpus["jsonl"], "--vocab-size", "300", "--out", tok])
-    assert args.func(args) == 0 and Tokenizer(tok).vocab_size == 300
+    assert main(["data", "tokenizer", "--input", corpus["jsonl"], "--vocab-size", "300", "--out", tok]) == 0
+    assert Tokenizer(tok).vocab_size == 300
     out = str(tmp_path / "cli_out")
-    argv = ["prepare", "--input", corpus["jsonl"], "--tokenizer", tok, "--out", out, "--val-fraction", "0.1",
+    argv = ["data", "prepare", "--input", corpus["jsonl"], "--tokenizer", tok, "--out", out, "--val-fraction", "0.1",
             "--workers", "1", "--text-key", "text"]
-    args = parser.parse_args(argv)
-    assert args.func(args) == 0 and os.path.exists(os.path.join(out, "manifest.json"))
-    args = parser.parse_args(argv)  # second run: refused with exit code 1 and the reason on stderr
-    assert args.func(args) == 1 and "--overwrite" in capsys.readouterr().err
-    args = parser.parse_args(argv + ["--overwrite", "--skip-bad"])
-    assert args.func(args) == 0
+    assert main(argv) == 0 and os.path.exists(os.path.join(out, "manifest.json"))
+    # second run: refused with exit code 1 and the reason on stderr
+    assert main(argv) == 1 and "--overwrite" in capsys.readouterr().err
+    assert main(argv + ["--overwrite", "--skip-bad"]) == 0
 
 
 def test_c4_json_gz_files_train_a_tokenizer_and_prepare(corpus, tmp_path, capsys):
-    """The README's own `tapetrain tokenizer train --input 'c4/*.json.gz'` failed with "unsupported extension"."""
+    """The README's own `tapetrain data tokenizer --input 'c4/*.json.gz'` failed with "unsupported extension"."""
     from tapetrain.cli import main
 
     c4 = tmp_path / "c4"
@@ -204,9 +197,9 @@ def test_c4_json_gz_files_train_a_tokenizer_and_prepare(corpus, tmp_path, capsys
         docs = corpus["docs"][i * 120:(i + 1) * 120]
         lines = "".join(json.dumps({"text": d, "timestamp": "2019-04-25T12:57:54Z", "url": "u"}) + "\n" for d in docs)
         (c4 / f"c4-train.{i:05d}-of-01024.json.gz").write_bytes(gzip.compress(lines.encode()))
-    assert main(["tokenizer", "train", "--input", str(c4 / "*.json.gz"), "--vocab-size", str(VOCAB),
+    assert main(["data", "tokenizer", "--input", str(c4 / "*.json.gz"), "--vocab-size", str(VOCAB),
                  "--out", str(tmp_path / "tok.model")]) == 0
-    assert main(["prepare", "--input", str(c4 / "*.json.gz"), "--tokenizer", str(tmp_path / "tok.model"),
+    assert main(["data", "prepare", "--input", str(c4 / "*.json.gz"), "--tokenizer", str(tmp_path / "tok.model"),
                  "--out", str(tmp_path / "data")]) == 0
     manifest = json.loads((tmp_path / "data" / "manifest.json").read_text())
     assert manifest["splits"]["train"]["num_documents"] == 240

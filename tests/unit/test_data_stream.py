@@ -172,7 +172,7 @@ def test_truncated_shard(data, tmp_path):
     with pytest.raises(DataError, match=r"shard train-00002.bin is 100 bytes but the manifest lists 97 "
                                         r"tokens of "
                                         r"uint16 \(194 bytes\): the shard is truncated; re-run `tapetrain "
-                                        r"prepare`"):
+                                        r"data prepare`"):
         PackedDataset(path, SEQ)
 
 
@@ -183,7 +183,7 @@ def test_missing_shard_and_manifest(data, tmp_path):
         PackedDataset(path, SEQ)
     (tmp_path / "copy" / "manifest.json").unlink()
     with pytest.raises(DataError, match="has no manifest.json: it is not a prepared dataset; run `tapetrain "
-                                        "prepare"):
+                                        "data prepare"):
         PackedDataset(path, SEQ)
     with pytest.raises(DataError, match="does not exist"):
         PackedDataset(str(tmp_path / "nowhere"), SEQ)

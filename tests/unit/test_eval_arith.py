@@ -1,4 +1,4 @@
-"""eval-arith's scorer on hand-made predictions, answer parsing, batched KV-cache decoding and the heatmap."""
+"""eval arith's scorer on hand-made predictions, answer parsing, batched KV-cache decoding and the heatmap."""
 
 from __future__ import annotations
 

@@ -1,14 +1,13 @@
 """Our own passkey protocol (--protocol tapetrain) end to end on a tiny model with a tiny sentencepiece tokenizer
 (accuracy is whatever it is). The reference protocols are in test_eval_passkey_reference.py."""
 
-import argparse
 import json
 
 import pytest
 from test_hf_runs import passkey_run_and_export
 
+from tapetrain.cli import main
 from tapetrain.data.tokenizer import Tokenizer
-from tapetrain.eval.cli import add_eval_passkey_parser
 from tapetrain.eval.passkey import MAX_PASS_KEY, build_prompt, key_line, run_eval_passkey
 
 LENGTHS = [128, 256]  # 256 > the tiny model's 128-token context: extrapolation
@@ -44,13 +43,10 @@ def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path, caplog):
     run, hf, _ = setup
     reports = {}
     for name, model in (("run", run), ("hf", hf)):
-        parser = argparse.ArgumentParser()
-        add_eval_passkey_parser(parser.add_subparsers())
-        args = parser.parse_args(["eval-passkey", str(model), "--protocol", "tapetrain",
-                                  "--lengths", ",".join(map(str, LENGTHS)), "--trials", "3",
-                                  "--out", str(tmp_path / f"{name}.json"),
-                                  "--plot", str(tmp_path / f"{name}.png")])
-        assert args.func(args) == 0
+        assert main(["eval", "passkey", str(model), "--protocol", "tapetrain",
+                     "--lengths", ",".join(map(str, LENGTHS)), "--trials", "3",
+                     "--out", str(tmp_path / f"{name}.json"),
+                     "--plot", str(tmp_path / f"{name}.png")]) == 0
         reports[name] = json.loads((tmp_path / f"{name}.json").read_text())
         assert (tmp_path / f"{name}.png").stat().st_size > 1000
     report = reports["hf"]
@@ -70,3 +66,26 @@ def test_passkey_end_to_end_run_dir_and_export(setup, tmp_path, caplog):
         assert f"passkey@{result['length']}: prompts of {shortest}-" in caplog.text
     again = run_eval_passkey(str(hf), LENGTHS, protocol="tapetrain", trials=3)
     assert again["results"] == report["results"]  # deterministic per seed
+
+
+def test_the_job_says_its_size_first_and_an_eta_after_the_first_prompts(setup, caplog):
+    """`eval passkey` on its defaults ran 1.5 h without a word on how long it would take."""
+    caplog.set_level("INFO", logger="tapetrain.eval")
+    _, hf, _ = setup
+    run_eval_passkey(str(hf), LENGTHS, protocol="tapetrain", trials=2)
+    messages = [r.getMessage() for r in caplog.records]
+    size = [m for m in messages if "prompts (" in m]
+    assert size and "4 prompts (2 lengths x 2 trials" in size[0], messages
+    eta = [m for m in messages if "ETA" in m]
+    assert len(eta) == 1 and "2 of 4 prompts" in eta[0], messages
+    assert messages.index(size[0]) < messages.index(eta[0])
+
+
+def test_accuracy_axis_is_0_to_1_even_when_every_trial_fails():
+    """With every accuracy 0 the y-axis ran from -0.04 to 0.04."""
+    from tapetrain.eval.report import passkey_figure
+
+    for accuracies in ([0.0, 0.0], [0.5, 0.75], [1.0, 1.0]):
+        report = {"model": "m", "protocol": "tape",
+                  "results": [{"length": n, "accuracy": a} for n, a in zip(LENGTHS, accuracies, strict=True)]}
+        assert passkey_figure([report]).axes[0].get_ylim() == (0.0, 1.0)

@@ -11,7 +11,6 @@ LongLoRA's passkey_retrivial.py and the TAPE repository's eval_retrieval.py (ide
     reported at total_tokens // num_tests.
 """
 
-import argparse
 import json
 
 import numpy as np
@@ -19,9 +18,9 @@ import pytest
 import torch
 from test_hf_runs import passkey_run_and_export
 
+from tapetrain.cli import main
 from tapetrain.data.tokenizer import Tokenizer
 from tapetrain.eval import passkey_reference as ref
-from tapetrain.eval.cli import add_eval_passkey_parser
 from tapetrain.eval.models import load_eval_model
 from tapetrain.eval.passkey import run_eval_passkey
 
@@ -92,12 +91,9 @@ def test_reference_defaults():
 def test_reference_protocol_end_to_end(setup, tmp_path):
     run, hf, tokenizer = setup
     protocol = "tape"  # longlora runs the same code with other defaults
-    parser = argparse.ArgumentParser()
-    add_eval_passkey_parser(parser.add_subparsers())
-    args = parser.parse_args(["eval-passkey", str(hf), "--protocol", protocol, "--max-tokens", "300",
-                              "--interval", "300", "--trials", "2", "--out", str(tmp_path / "r.json"),
-                              "--plot", str(tmp_path / "r.png")])
-    assert args.func(args) == 0
+    assert main(["eval", "passkey", str(hf), "--protocol", protocol, "--max-tokens", "300",
+                 "--interval", "300", "--trials", "2", "--out", str(tmp_path / "r.json"),
+                 "--plot", str(tmp_path / "r.png")]) == 0
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["protocol"] == protocol and report["trials"] == 2
     assert (tmp_path / "r.png").stat().st_size > 1000

@@ -183,7 +183,7 @@ def test_two_ranks_match_one(run_and_export, tmp_path):
 
 
 def test_shards_of_another_tokenizer_are_refused(tmp_path):
-    """Two tokenizers with the same vocab size: eval-ppl used to score the other one's ids without a word."""
+    """Two tokenizers with the same vocab size: `eval ppl` used to score the other one's ids without a word."""
     import sysconfig
 
     from tapetrain.data.prepare import prepare

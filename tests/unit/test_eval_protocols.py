@@ -1,5 +1,5 @@
 """Perplexity protocols against re-statements of the reference scripts' own logic (written out below), and the
-shard split rule of eval-ppl.
+shard split rule of `eval ppl`.
 
 References restated here (read for understanding; no code copied):
   LongLoRA eval_distributed.py and the TAPE repository's eval_llama.py: Pg19Dataset takes window starts

@@ -1,10 +1,9 @@
-"""Export to Hugging Face format: real DeepSpeed checkpoint -> export-hf -> transformers reload.
+"""Export to Hugging Face format: real DeepSpeed checkpoint -> `export hf` -> transformers reload.
 
 RoPE must come back as a plain LlamaForCausalLM (no remote code), TAPE and the other PEs through the exported
 remote code; logits match tapetrain (fp32, <= 1e-4) and cached generation equals uncached and tapetrain's.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -19,7 +18,7 @@ from test_hf_runs import make_run, train_tiny_tokenizer
 from tapetrain.checkpoint import hf_export
 from tapetrain.checkpoint.hf_export import export_hf, export_model
 from tapetrain.checkpoint.run_loader import load_run_model
-from tapetrain.eval.cli import add_export_parser
+from tapetrain.cli import main
 
 ATOL = 1e-4
 
@@ -177,24 +176,20 @@ def test_failed_verification_leaves_nothing(tmp_path, monkeypatch):
 
 def test_cli_export_and_existing_output(rope_export, tmp_path, capsys):
     run, _, _ = rope_export
-    parser = argparse.ArgumentParser()
-    add_export_parser(parser.add_subparsers())
     out = tmp_path / "cli"
-    args = parser.parse_args(["export-hf", str(run), "--out", str(out), "--dtype", "fp16", "--step", "1"])
-    assert args.func(args) == 0
+    argv = ["export", "hf", str(run), "--out", str(out), "--dtype", "fp16", "--step", "1"]
+    assert main(argv) == 0
     printed = capsys.readouterr().out
     # A short summary (it used to print the whole ~60-line result JSON; that is in tapetrain_export.json)
     assert len(printed.strip().splitlines()) <= 3, printed
     assert f"exported {run} step 1 to {out}" in printed and "verified: max |Δlogits|" in printed
     assert "tapetrain_export.json" in printed
     assert json.loads((out / "tapetrain_export.json").read_text())["verification"]["passed"]
-    with pytest.raises(ValueError, match="--overwrite"):
-        args.func(args)
-    args = parser.parse_args(["export-hf", str(run), "--out", str(out), "--overwrite", "--no-verify"])
-    assert args.func(args) == 0 and json.loads((out / "tapetrain_export.json").read_text())["dtype"] == "fp32"
-    args = parser.parse_args(["export-hf", str(run), "--out", str(out), "--step", "7"])
-    with pytest.raises(FileNotFoundError, match="available steps: 1"):
-        args.func(args)
+    assert main(argv) == 1 and "--overwrite" in capsys.readouterr().err
+    assert main(["export", "hf", str(run), "--out", str(out), "--overwrite", "--no-verify"]) == 0
+    assert json.loads((out / "tapetrain_export.json").read_text())["dtype"] == "fp32"
+    assert main(["export", "hf", str(run), "--out", str(out), "--step", "7"]) == 1
+    assert "available steps: 1" in capsys.readouterr().err
 
 
 def test_overwrite_refuses_a_directory_that_is_not_an_export(tmp_path):

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[2] / "tapetrain"
+REPO = Path(__file__).resolve().parents[2]
+PACKAGE = REPO / "tapetrain"
 
 # (file or directory under tapetrain/, forbidden module, why)
 RULES = [
@@ -16,7 +17,11 @@ RULES = [
     ("distributed.py", "tapetrain.train", "the shared process-group module must not depend on the train package"),
     ("distributed.py", "tapetrain.checkpoint", "the shared process-group module must not depend on checkpoint"),
     ("model", "deepspeed", "model code is single-device PyTorch and never imports deepspeed"),
+    (".", "tools", "package code never depends on the tools/ scripts (they are thin shims over the package)"),
 ]
+# Calls that load code by path or bend the import path: the package imports modules by name, and tools/ import the
+# installed package (`pip install -e .`), so neither needs them.
+PATH_LOADING = {"spec_from_file_location", "run_path", "sys.path.insert", "sys.path.append", "sys.path.extend"}
 
 
 def module_name(path: Path) -> str:
@@ -44,6 +49,17 @@ def imported_modules(source: str, module: str, is_package: bool = False) -> set[
     return names
 
 
+def path_loading_calls(source: str) -> set[str]:
+    """The PATH_LOADING calls in `source`, as written (`importlib.util.spec_from_file_location` counts as
+    `spec_from_file_location`)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            found.update(n for n in PATH_LOADING if name == n or name.endswith("." + n))
+    return found
+
+
 def is_within(name: str, forbidden: str) -> bool:
     return name == forbidden or name.startswith(forbidden + ".")
 
@@ -65,6 +81,32 @@ def violations(target: str, forbidden: str) -> list[str]:
 def test_layering(target: str, forbidden: str, why: str) -> None:
     found = violations(target, forbidden)
     assert not found, f"{why}:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("root", ["tapetrain", "tools"])
+def test_no_code_is_loaded_by_path(root: str) -> None:
+    found = [f"{file.relative_to(REPO)}: {', '.join(sorted(calls))}" for file in sorted((REPO / root).rglob("*.py"))
+             if (calls := path_loading_calls(file.read_text()))]
+    assert not found, "code loaded by path or sys.path changed (import the package by name instead):\n" + \
+        "\n".join(found)
+
+
+def test_checker_sees_tools_imports_and_path_loading() -> None:
+    """The two rules that keep the package off tools/ can fail: imports by name and loading by path."""
+    source = (
+        "import importlib.util, sys\n"
+        "def run():\n"
+        "    from tools import bench_data\n"
+        "    import tools.demo\n"
+        "    spec = importlib.util.spec_from_file_location('bench_data', 'tools/bench_data.py')\n"
+        "    sys.path.insert(0, 'tools')\n"
+    )
+    names = imported_modules(source, "tapetrain.bench.data")
+    assert {"tools", "tools.bench_data", "tools.demo"} <= names
+    assert all(is_within(n, "tools") for n in ("tools.bench_data", "tools.demo"))
+    assert not is_within("toolsmith", "tools")
+    assert path_loading_calls(source) == {"spec_from_file_location", "sys.path.insert"}
+    assert path_loading_calls("import importlib\nimportlib.import_module('tapetrain.bench')\n") == set()
 
 
 def test_checker_sees_every_import_form() -> None:

@@ -1,5 +1,5 @@
 """Building blocks of runs that cannot be silently corrupted: run lock, resume checks, tokenizer provenance,
-`tapetrain verify`, read-ahead batches, checkpoint size estimates and config-wins optimizer settings.
+`tapetrain data verify`, read-ahead batches, checkpoint size estimates and config-wins optimizer settings.
 
 The multi-rank behaviour of each (real DeepSpeed, 2 ranks) is in tests/distributed/test_safe_runs.py."""
 
@@ -209,11 +209,11 @@ def test_sources_must_share_one_tokenizer(datasets):
         common_tokenizer([datasets["data_a"]], str(datasets["root"] / "missing.model"))
 
 
-# ---- tapetrain verify ---------------------------------------------------------------------------------------------
+# ---- tapetrain data verify----------------------------------------------------------------------------------------
 
 
 def _verify(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tapetrain.cli", "verify", "--quiet", *argv], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "tapetrain.cli", "data", "verify", "--quiet", *argv], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
 
 

@@ -1,5 +1,5 @@
 """SCROLLS: metrics against SCROLLS' documented examples and hand computation, prompt formats and truncation,
-`scrolls data` on local files in the real record format (jsonl and parquet), eval-scrolls --predictions and
+`data scrolls` on local files in the real record format (jsonl and parquet), `eval scrolls --predictions` and
 generation, and clear errors."""
 
 from __future__ import annotations
@@ -132,21 +132,21 @@ def test_scrolls_data_from_jsonl_and_parquet(tokenizer, tmp_path):
 
 def test_scrolls_cli_and_errors(tokenizer, tmp_path, capsys):
     out = tmp_path / "gov"
-    args = ["scrolls", "data", "--task", "gov_report", "--input", str(FIXTURES / "gov_report.jsonl"),
+    args = ["data", "scrolls", "--task", "gov_report", "--input", str(FIXTURES / "gov_report.jsonl"),
             "--tokenizer", tokenizer.path, "--out", str(out), "--seq-len", "200", "--max-answer-tokens", "30"]
     assert main(args) == 0
     assert "3 training examples" in capsys.readouterr().out
-    assert main(args) == 2 and "already exists" in capsys.readouterr().err
-    bad = ["scrolls", "data", "--task", "qasper", "--input", str(FIXTURES / "unlabelled_test.jsonl"),
+    assert main(args) == 1 and "already exists" in capsys.readouterr().err
+    bad = ["data", "scrolls", "--task", "qasper", "--input", str(FIXTURES / "unlabelled_test.jsonl"),
            "--tokenizer", tokenizer.path, "--out", str(tmp_path / "t"), "--seq-len", "200", "--max-answer-tokens", "8"]
-    assert main(bad) == 2
+    assert main(bad) == 1
     assert "has no output" in capsys.readouterr().err and not (tmp_path / "t").exists()
     (tmp_path / "broken.jsonl").write_text('{"id": "x", "output": "y"}\n')
     with pytest.raises(DataError, match="lacks input"):
         list(iter_records(str(tmp_path / "broken.jsonl")))
 
 
-# ---- eval-scrolls -------------------------------------------------------------------------------------------
+# ---- eval scrolls --------------------------------------------------------------------------------------------
 
 
 def test_eval_scrolls_scores_given_predictions(tmp_path):

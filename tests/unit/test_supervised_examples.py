@@ -179,7 +179,7 @@ def test_example_stores_pass_the_tokenizer_checks(tmp_path):
 
 
 def test_verify_checks_example_stores_too(tmp_path):
-    """`tapetrain verify` / data.verify on arith or scrolls data used to fail with "re-run tapetrain prepare"."""
+    """`tapetrain data verify` / data.verify on arith or scrolls data used to fail with "re-run tapetrain prepare"."""
     from tapetrain.data.verify import verify_dataset
 
     store = make_store(tmp_path / "s", random_examples(6, seed=4), val=random_examples(2, seed=9))

@@ -1,4 +1,4 @@
-"""Remote code for exported non-RoPE models: copied next to the weights by `tapetrain export-hf`.
+"""Remote code for exported non-RoPE models: copied next to the weights by `tapetrain export hf`.
 
 The two modules here must stay self-contained (no tapetrain import): the export loads where tapetrain is not
 installed. `MODELING_FILES` lists what the export copies.

@@ -1,6 +1,6 @@
 """Configuration of a tapetrain decoder exported to Hugging Face format (loaded with trust_remote_code=True).
 
-Self-contained: copied next to the weights by `tapetrain export-hf`; it must not import tapetrain.
+Self-contained: copied next to the weights by `tapetrain export hf`; it must not import tapetrain.
 Field names follow Llama's where the meaning is the same (hidden_size, num_hidden_layers, ...).
 """
 

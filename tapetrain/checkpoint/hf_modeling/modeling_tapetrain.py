@@ -1,6 +1,6 @@
 """A tapetrain decoder (TAPE or a baseline positional encoding) as a Hugging Face causal LM.
 
-Self-contained remote code: `tapetrain export-hf` copies this file and configuration_tapetrain.py next to the
+Self-contained remote code: `tapetrain export hf` copies this file and configuration_tapetrain.py next to the
 weights, and `AutoModelForCausalLM.from_pretrained(dir, trust_remote_code=True)` loads it where tapetrain is not
 installed. It re-implements exactly what tapetrain/model computes (the export verifies the logits); the blocks
 marked `# Copied from tapetrain.model.<name>` are verbatim copies that tests/unit/test_hf_copies.py keeps in step.

@@ -1,0 +1,40 @@
+"""`tapetrain export hf`: the signature and docstring are the command-line options and help (tapetrain.cli_parser)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+
+def export_summary(run_dir: str, result: dict) -> str:
+    """Two lines for the console; the full result is OUT/tapetrain_export.json."""
+    check = result.get("verification")
+    verified = (f"verified: max |Δlogits| {check['max_abs_diff']:.2g} <= {check['tolerance']:.2g}" if check
+                else "not verified (--no-verify)")
+    load = "AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)" if result["remote_code"] else \
+        "AutoModelForCausalLM.from_pretrained(OUT)"
+    return (f"exported {run_dir} step {result['step']} to {result['out_dir']}: {result['architecture']} pe="
+            f"{result['pe']} {result['dtype']}, tokenizer {result['tokenizer']['status']}; {verified}\n"
+            f"load with {load}; details in {result['out_dir']}/tapetrain_export.json")
+
+
+def export_hf(run_dir: str, out: str, step: int | None = None, dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+              tokenizer: str | None = None, max_shard_size: str = "5GB", verify: bool = True,
+              overwrite: bool = False) -> None:
+    """Export a checkpoint to Hugging Face format (verified against tapetrain's logits).
+
+    LlamaForCausalLM for RoPE models, remote code (trust_remote_code=True) otherwise; LoRA weights are merged.
+
+    Args:
+        run_dir: run directory (or one checkpoint directory in it)
+        out: output directory (written atomically)
+        step: checkpoint step (default: newest complete one)
+        dtype: weight dtype
+        tokenizer: sentencepiece .model (default: the run's data.tokenizer)
+        max_shard_size: largest safetensors shard, e.g. 5GB or 500MB
+        verify: reload the export with transformers and compare logits (--no-verify skips it)
+        overwrite: replace OUT if it holds an earlier export
+    """
+    from tapetrain.checkpoint.hf_export import export_hf as export
+
+    result = export(run_dir, out, step, dtype, verify, tokenizer, max_shard_size=max_shard_size, overwrite=overwrite)
+    print(export_summary(run_dir, result))
