@@ -133,3 +133,9 @@ def passkey_figure(results: list[dict]):
 
 def plot_passkey(results: list[dict], out_png: str) -> None:
     _save_and_close(passkey_figure(results), out_png)
+
+
+def plot_ruler(results: list[dict], out_png: str) -> None:
+    """RULER score (mean over tasks, 0..1) vs context length, one line per `eval ruler` result dict."""
+    _save_and_close(_line_figure(results, "score", "RULER score (mean over tasks)", "RULER via lm-eval", log_y=False,
+                                 ylim=(0.0, 1.0)), out_png)
