@@ -69,13 +69,14 @@ def evaluate_ppl(
     ranks = ranks or EvalRanks()
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
-    results = []
-    for length in lengths:
+    for length in lengths:  # every length before the first forward: no half-done job on a data shortage
         need = tokens_needed(length, protocol)
         if tokens.num_tokens < need:
             raise InputError(f"length {length} needs at least {need} tokens ({protocol} protocol) but "
                              f"{tokens.description} holds {tokens.num_tokens}; drop that length from --lengths, "
                              "raise --max-tokens or use more data")
+    results = []
+    for length in lengths:
         if model.max_seq_len and length > model.max_seq_len:
             log.warning("length %d > the model's training context %d: evaluating extrapolation", length,
                         model.max_seq_len)
