@@ -85,7 +85,8 @@ def run_compare(
         stride: ppl: --protocol sliding: tokens between window starts
         depths: needle: key depths in [0, 1] (default 0,0.25,0.5,0.75,1)
         trials: needle: prompts per (length, depth)
-        ruler_tasks: ruler: lm-eval RULER tasks (default: the six that need no files or network)
+        ruler_tasks: ruler: lm-eval RULER tasks or groups (default offline: the six that need no files or
+            network; essay, qa, ruler = all 13)
         ruler_samples: ruler: samples per task and length
         ruler_max_new_tokens: ruler: cap each task's answer budget (quick runs; default the tasks' own)
         batch_size: windows per forward (ppl, default 1), prompts per batch (needle, default 8), lm-eval batch

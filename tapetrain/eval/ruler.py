@@ -50,17 +50,20 @@ def require_lm_eval():
     return lm_eval
 
 
+GROUPS = {"ruler": TASKS, "offline": OFFLINE_TASKS, "essay": ESSAY_TASKS, "qa": QA_TASKS}
+
+
 def resolve_tasks(tasks: list[str] | None) -> list[str]:
-    """The tasks to run, checked (default: the offline ones); `ruler` = all 13."""
+    """The tasks to run, checked (default: the offline ones); the group names ruler (all 13), offline, essay and
+    qa stand for their tasks."""
     if not tasks:
         return list(OFFLINE_TASKS)
     chosen: list[str] = []
     for name in tasks:
-        names = TASKS if name == "ruler" else (name,)
-        for task in names:
+        for task in GROUPS.get(name, (name,)):
             if task not in TASKS:
-                raise InputError(f"unknown RULER task {task!r}; choose from {', '.join(TASKS)} (or `ruler` for all "
-                                 f"13; the default is the offline ones: {', '.join(OFFLINE_TASKS)})")
+                raise InputError(f"unknown RULER task {task!r}; choose from {', '.join(TASKS)}, or the groups "
+                                 f"{', '.join(GROUPS)} (the default is offline: {', '.join(OFFLINE_TASKS)})")
             if task not in chosen:
                 chosen.append(task)
     return chosen
@@ -230,8 +233,9 @@ def run_eval_ruler(
     Args:
         model_path: Hugging Face export directory (tapetrain export hf; RoPE models export as plain Llama)
         lengths: lm-eval's max_seq_lengths, e.g. 4096,8192
-        tasks: RULER tasks (default: the offline ones, niah_single_1 niah_multikey_2 niah_multikey_3 ruler_vt
-            ruler_cwe ruler_fwe; `ruler` = all 13; the essay and QA tasks need files, see docs/evaluation.md)
+        tasks: RULER tasks or groups: offline (the default: niah_single_1 niah_multikey_2 niah_multikey_3 ruler_vt
+            ruler_cwe ruler_fwe), essay (5 tasks on Paul Graham's essays, need cached files), qa (2, need the
+            network), ruler (all 13); see docs/evaluation.md
         samples: samples per task and length (RULER generates 500)
         batch_size: lm-eval's batch size (prompts of a task are left-padded to one length)
         dtype: compute dtype

@@ -177,3 +177,17 @@ def test_compare_errors_name_the_fix_before_any_forward(models, tmp_path, capsys
         assert message in err and fix in err, err
         assert counter.count == 0
         assert not (Path(args[args.index("--out") + 1]) / "README.md").exists()
+
+
+def test_run_directories_are_exported_once_for_export_only_evaluations(models, tmp_path):
+    """RULER runs Hugging Face exports: a run directory is exported into OUT/exports/<label> once, reused while its
+    checkpoint is the same."""
+    from tapetrain.compare.entries import resolve_entries
+    from tapetrain.compare.models import ModelHandle
+
+    (entry,) = resolve_entries([str(models["rope"])])
+    export = Path(ModelHandle(entry.runs[0], "fp32", str(tmp_path)).export_dir())
+    assert export == tmp_path / "exports" / "rope" and (export / "config.json").is_file()
+    stamp = (export / "tapetrain_export.json").stat().st_mtime_ns
+    assert ModelHandle(entry.runs[0], "fp32", str(tmp_path)).export_dir() == str(export)
+    assert (export / "tapetrain_export.json").stat().st_mtime_ns == stamp
