@@ -50,8 +50,10 @@ def run_compare(
     max_tokens: int | None = None,
     protocol: Literal["nonoverlap", "sliding", "longlora"] = "nonoverlap",
     stride: int | None = None,
+    needle_lengths: list[int] | None = None,
     depths: list[float] | None = None,
     trials: int = 10,
+    ruler_lengths: list[int] | None = None,
     ruler_tasks: list[str] | None = None,
     ruler_samples: int = 100,
     ruler_max_new_tokens: int | None = None,
@@ -83,8 +85,11 @@ def run_compare(
         max_tokens: ppl: evaluate the first N tokens of the data only
         protocol: ppl: window protocol (token-weighted ones only, so that windows can be resampled)
         stride: ppl: --protocol sliding: tokens between window starts
+        needle_lengths: needle: its own lengths (default --lengths; a prompt needs room for the task, key line
+            and question)
         depths: needle: key depths in [0, 1] (default 0,0.25,0.5,0.75,1)
         trials: needle: prompts per (length, depth)
+        ruler_lengths: ruler: its own lengths, lm-eval's max_seq_lengths (default --lengths)
         ruler_tasks: ruler: lm-eval RULER tasks or groups (default offline: the six that need no files or
             network; essay, qa, ruler = all 13)
         ruler_samples: ruler: samples per task and length
@@ -111,8 +116,10 @@ def run_compare(
     options = CompareOptions(
         lengths=sorted(set(lengths or DEFAULT_LENGTHS)), seed=seed, dtype=dtype, resamples=resamples, data=data,
         split=split, max_tokens=max_tokens, protocol=protocol, stride=stride,
+        needle_lengths=sorted(set(needle_lengths)) if needle_lengths else None,
         depths=sorted(set(depths if depths is not None else DEFAULT_DEPTHS)), trials=trials,
-        ruler_tasks=ruler_tasks, ruler_samples=ruler_samples, ruler_max_new_tokens=ruler_max_new_tokens)
+        ruler_lengths=sorted(set(ruler_lengths)) if ruler_lengths else None, ruler_tasks=ruler_tasks,
+        ruler_samples=ruler_samples, ruler_max_new_tokens=ruler_max_new_tokens)
     if batch_size is not None:
         options.ppl_batch_size = options.needle_batch_size = options.ruler_batch_size = batch_size
     entries = resolve_entries(models, labels)

@@ -34,7 +34,7 @@ def is_model(path: Path) -> bool:
 class ModelRun:
     """One model to evaluate: a run directory or checkpoint ('run') or an export ('hf')."""
 
-    path: str  # absolute
+    path: str  # as given (the report shows it); identity() resolves it
     kind: str
     key: str  # directory name of its results: the entry's label, or LABEL/seed-S in a group
     seed: int | None = None
@@ -49,10 +49,19 @@ class ModelRun:
             ckpt, _ = resolve_checkpoint(self.path)
             state = ckpt / "trainer_state.json"
             return {"kind": "run", "checkpoint": str(ckpt.resolve()), "trainer_state": _stamp(state)}
-        root = Path(self.path)
+        root = Path(self.path).resolve()
         config = hashlib.sha256((root / "config.json").read_bytes()).hexdigest()
         weights = sorted([p.name, *_stamp(p)] for p in root.iterdir() if p.name.endswith(WEIGHT_SUFFIXES))
-        return {"kind": "hf", "path": self.path, "config_sha256": config, "weights": weights}
+        return {"kind": "hf", "path": str(root), "config_sha256": config, "weights": weights}
+
+    def tokenizer(self) -> str | None:
+        """The sentencepiece model of this model (an export's tokenizer.model, a run's data.tokenizer), if known."""
+        if self.kind == "run":
+            from tapetrain.checkpoint.run_loader import run_tokenizer
+
+            return run_tokenizer(self.path)
+        path = Path(self.path) / "tokenizer.model"
+        return str(path) if path.is_file() else None
 
     def run_dir(self) -> Path | None:
         """The training run behind this model, when it is here: the run directory itself, or the run an export
@@ -116,13 +125,14 @@ def resolve_entries(paths: list[str], labels: list[str] | None = None) -> list[M
             raise MissingInputError(f"model {given} does not exist; pass run directories, `tapetrain export hf` "
                                     "outputs, or directories of seed runs (NAME/seed-0, NAME/seed-1, ...)")
         if is_model(path):
-            entries.append(ModelEntry(label, str(path), (ModelRun(str(path), _kind(path), label),)))
+            entries.append(ModelEntry(label, given, (ModelRun(given, _kind(path), label),)))
             continue
-        seeds = sorted((int(m.group(1)), child) for child in path.iterdir()
+        seeds = sorted((int(m.group(1)), child.name) for child in path.iterdir()
                        if child.is_dir() and (m := SEED_DIR.match(child.name)) and is_model(child))
         if not seeds:
             raise InputError(f"{given} is neither a run directory (checkpoints/), a Hugging Face export (config.json) "
                              "nor a directory of seed runs (seed-0/, seed-1/, ... each a run or an export)")
-        runs = tuple(ModelRun(str(child), _kind(child), f"{label}/seed-{seed}", seed) for seed, child in seeds)
-        entries.append(ModelEntry(label, str(path), runs))
+        runs = tuple(ModelRun(os.path.join(given, name), _kind(path / name), f"{label}/seed-{seed}", seed)
+                     for seed, name in seeds)
+        entries.append(ModelEntry(label, given, runs))
     return entries

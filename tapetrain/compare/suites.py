@@ -8,6 +8,7 @@ scrolls) is one more class in SUITES.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,10 +35,12 @@ class CompareOptions:
     stride: int | None = None
     ppl_batch_size: int = 1
     # needle
+    needle_lengths: list[int] | None = None  # default: lengths
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
     trials: int = 10
     needle_batch_size: int = 8
     # ruler
+    ruler_lengths: list[int] | None = None  # default: lengths
     ruler_tasks: list[str] | None = None
     ruler_samples: int = 100
     ruler_batch_size: int = 1
@@ -62,6 +65,10 @@ class Evaluation:
     percent = False  # show as a percentage
     unit = ""  # what n counts
     needs_export = False
+
+    def lengths(self, options: CompareOptions) -> list[int]:
+        """The context lengths of this evaluation's table (--lengths unless the evaluation has its own)."""
+        return options.lengths
 
     def settings(self, options: CompareOptions) -> dict:
         raise NotImplementedError
@@ -92,8 +99,6 @@ class Perplexity(Evaluation):
                 "dtype": options.dtype}
 
     def check(self, options: CompareOptions, entries: list[ModelEntry]) -> None:
-        import os
-
         from tapetrain.errors import MissingInputError
         from tapetrain.eval.ppl import resolve_protocol
         from tapetrain.eval.tokens import open_eval_tokens
@@ -151,22 +156,35 @@ def check_data_lengths(tokens, options: CompareOptions, who: str) -> None:
 class Needle(Evaluation):
     name, title, better, percent, unit = "needle", "Needle in a haystack (passkey grid)", "higher", True, "prompts"
 
+    def lengths(self, options: CompareOptions) -> list[int]:
+        return options.needle_lengths or options.lengths
+
     def settings(self, options: CompareOptions) -> dict:
-        return {"lengths": options.lengths, "depths": options.depths, "trials": options.trials,
+        return {"lengths": self.lengths(options), "depths": options.depths, "trials": options.trials,
                 "seed": options.seed, "dtype": options.dtype, "protocol": "tapetrain"}
 
     def check(self, options: CompareOptions, entries: list[ModelEntry]) -> None:
-        from tapetrain.eval.passkey import check_depths
+        from tapetrain.data.tokenizer import Tokenizer
+        from tapetrain.eval.passkey import build_prompt, check_depths
 
         check_depths(options.depths)
         if options.trials < 1:
             raise InputError(f"--trials must be >= 1, got {options.trials}")
+        shortest = min(self.lengths(options))
+        for path, label in {r.tokenizer(): r.key for e in entries for r in e.runs}.items():
+            if path is None or not os.path.isfile(path):
+                continue  # said when the model loads
+            try:
+                build_prompt(Tokenizer(path), shortest, options.seed, 0, 0.0)
+            except InputError as err:
+                raise InputError(f"needle, {label}: {err} (--needle-lengths sets the needle grid's lengths apart "
+                                 "from --lengths)") from err
 
     def compute(self, handle: ModelHandle, options: CompareOptions, ranks: EvalRanks) -> dict:
         from tapetrain.eval.passkey import load_tokenizer, passkey_report
 
         model = handle.model()
-        return passkey_report(model, load_tokenizer(model, None), "tapetrain", lengths=options.lengths,
+        return passkey_report(model, load_tokenizer(model, None), "tapetrain", lengths=self.lengths(options),
                               trials=options.trials, seed=options.seed, depths=options.depths,
                               batch_size=options.needle_batch_size, ranks=ranks)
 
@@ -189,10 +207,13 @@ class Ruler(Evaluation):
     name, title, better, percent, unit, needs_export = "ruler", "RULER (lm-evaluation-harness)", "higher", True, \
         "samples", True
 
+    def lengths(self, options: CompareOptions) -> list[int]:
+        return options.ruler_lengths or options.lengths
+
     def settings(self, options: CompareOptions) -> dict:
         from tapetrain.eval.ruler import require_lm_eval, resolve_tasks
 
-        return {"lengths": options.lengths, "tasks": resolve_tasks(options.ruler_tasks),
+        return {"lengths": self.lengths(options), "tasks": resolve_tasks(options.ruler_tasks),
                 "samples": options.ruler_samples, "seed": options.seed, "dtype": options.dtype,
                 "max_new_tokens": options.ruler_max_new_tokens, "lm_eval": require_lm_eval().__version__}
 
@@ -209,7 +230,7 @@ class Ruler(Evaluation):
     def compute(self, handle: ModelHandle, options: CompareOptions, ranks: EvalRanks) -> dict:
         from tapetrain.eval.ruler import evaluate_ruler
 
-        return evaluate_ruler(handle.export_dir(), options.lengths, options.ruler_tasks, options.ruler_samples,
+        return evaluate_ruler(handle.export_dir(), self.lengths(options), options.ruler_tasks, options.ruler_samples,
                               batch_size=options.ruler_batch_size, dtype=options.dtype, seed=options.seed,
                               max_new_tokens=options.ruler_max_new_tokens)
 

@@ -19,7 +19,7 @@ def entry_cells(entry: ModelEntry, evaluation: Evaluation, reports: dict[str, di
     """One cell per length: {length, value, ci, spread, n, runs: [{key, seed, value, ci, n, result}]}."""
     per_run = {run.key: {v.length: v for v in evaluation.values(reports[run.key], options)} for run in entry.runs}
     cells = []
-    for length in options.lengths:
+    for length in evaluation.lengths(options):
         runs = [{"key": run.key, "seed": run.seed, "value": per_run[run.key][length].value,
                  "ci": [per_run[run.key][length].low, per_run[run.key][length].high],
                  "n": per_run[run.key][length].n, "result": paths[run.key]} for run in entry.runs]
@@ -43,7 +43,7 @@ def evaluation_summary(evaluation: Evaluation, entries: list[ModelEntry], report
         "percent": evaluation.percent,
         "n_counts": evaluation.unit,
         "description": evaluation.describe(options),
-        "lengths": options.lengths,
+        "lengths": evaluation.lengths(options),
         "rows": [{"label": e.label, "path": e.path, "seeds": [r.seed for r in e.runs] if e.is_group else None,
                   "cells": entry_cells(e, evaluation, reports, paths, options)} for e in entries],
     }

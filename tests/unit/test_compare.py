@@ -169,6 +169,8 @@ def test_compare_errors_name_the_fix_before_any_forward(models, tmp_path, capsys
         (["compare", str(models["tape"]), "--suite", "ppl", "--out", str(tmp_path / "o4")], "needs --data", ""),
         (["compare", str(models["tape"]), str(models["tape"]), "--suite", "needle", "--out", str(tmp_path / "o5")],
          "share the label tape", "--labels"),
+        (["compare", str(models["tape"]), "--suite", "ppl,needle", "--data", str(models["data"]), "--lengths",
+          "20,128", "--out", str(tmp_path / "o6")], "needle, tape: passkey length 20 is too short", "--needle-lengths"),
     ]
     for args, message, fix in cases:
         with ForwardCounter() as counter:
