@@ -36,7 +36,8 @@ def plot_needle_heatmaps(reports: list[dict], out_png: str, labels: list[str] | 
     n = len(reports)
     lengths0, depths0, _ = needle_grid(reports[0])
     width = max(3.2, 0.55 * len(lengths0) + 1.6)
-    fig, axes = plt.subplots(1, n, figsize=(width * n + 0.9, max(3.0, 0.3 * len(depths0) + 1.8)), squeeze=False)
+    fig, axes = plt.subplots(1, n, figsize=(width * n + 0.9, max(3.0, 0.3 * len(depths0) + 1.8)), squeeze=False,
+                             sharey=True)  # the same depths: tick labels on the first panel only
     image = None
     for i, (ax, report) in enumerate(zip(axes[0], reports, strict=True)):
         lengths, depths, grid = needle_grid(report)
