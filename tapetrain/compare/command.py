@@ -170,6 +170,11 @@ def run_compare(
                                command_line(models, given))
         log.info("compare: %s written in %.0f s (%d results computed, %d reused)",
                  os.path.join(out, "README.md"), time.perf_counter() - started, len(computed), len(reused))
+        from tapetrain.compare.report import evaluation_table
+
+        for summary in payload["evaluations"].values():
+            print("\n".join([f"{summary['title']}: value [95% interval over {summary['n_counts']}], ** = best",
+                              *evaluation_table(summary), ""]))
         print(f"compare: {os.path.join(out, 'README.md')} ({len(computed)} results computed, {len(reused)} reused)")
     return {**payload, "computed": computed, "reused": reused}
 
