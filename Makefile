@@ -19,8 +19,14 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev]"
 	touch $@
 
-test: setup
+test: setup $(VENV)/.lm-eval
 	$(BIN)/python -m pytest -q --timeout=900
+
+# lm-evaluation-harness with RULER's dependencies (about a minute to install): the suite's lm-eval and RULER tests
+# run it (they skip without it); `make demo` does not need it.
+$(VENV)/.lm-eval: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[lm-eval]"
+	touch $@
 
 lint: setup
 	$(BIN)/ruff check tapetrain tools tests

@@ -43,11 +43,13 @@ COMMANDS = (
     Command("eval passkey", "tapetrain.eval.passkey:run_eval_passkey", MODEL, old="eval-passkey"),
     Command("eval arith", "tapetrain.eval.arith:run_eval_arith", MODEL, old="eval-arith"),
     Command("eval scrolls", "tapetrain.eval.scrolls:run_eval_scrolls", MODEL, old="eval-scrolls"),
+    Command("eval ruler", "tapetrain.eval.ruler:run_eval_ruler", MODEL),
+    Command("compare", "tapetrain.compare.command:run_compare", {"models": "MODEL"}),
 )
 GROUPS = {
     "data": "corpus -> tokenizer -> token shards; task data (arithmetic, SCROLLS); shard checks",
     "export": "checkpoint conversion",
-    "eval": "perplexity, passkey retrieval and task accuracy of a run directory or an export",
+    "eval": "perplexity, passkey retrieval, RULER and task accuracy of a run directory or an export",
 }
 BUG = 70  # EX_SOFTWARE
 

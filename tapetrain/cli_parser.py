@@ -6,6 +6,7 @@ Mapping (the parameter `val_fraction: float = 0.0` becomes `--val-fraction F`):
   bool = False / True         flag `--name` / `--no-name`
   Literal[...]                choices
   list[int]                   one comma-separated value, `--lengths 1024,2048`
+  list[float]                 one comma-separated value, `--depths 0,0.5,1`
   list[str]                   one or more values, `--input a.jsonl b.jsonl` (shell globs expand into it)
   X | None                    as X, default None
 
@@ -60,6 +61,16 @@ def comma_separated_ints(text: str) -> list[int]:
     return values
 
 
+def comma_separated_floats(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated numbers, e.g. 0,0.5,1") from err
+    if not values:
+        raise argparse.ArgumentTypeError(f"{text!r}: give at least one number, e.g. 0,0.5,1")
+    return values
+
+
 def _unwrap_optional(tp):
     """`X | None` -> X."""
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
@@ -100,6 +111,8 @@ def _argument(name: str, tp, default, help_text: str | None, metavar: str | None
         kwargs.update(choices=args, type=type(args[0]))
     elif origin is list and args == (int,):
         kwargs.update(type=comma_separated_ints, metavar="N,N,...")
+    elif origin is list and args == (float,):
+        kwargs.update(type=comma_separated_floats, metavar="F,F,...")
     elif origin is list:
         kwargs.update(nargs="+", type=args[0])
     else:

@@ -5,7 +5,8 @@ eval/ all use it, and it imports none of them (checkpoint code must not depend o
 
     DistEnv, local_device, under_launcher    who and where this process is
     init_distributed                         training: the process group through DeepSpeed, also for a lone process
-    EvalRanks, init_eval_ranks               eval tools: the launcher's group when there is one, else none
+    EvalRanks, init_eval_ranks               eval tools: the launcher's group when there is one, else none; how
+                                             they split work (share) and merge results (gather)
     all_reduce_sum, barrier                  collectives that are no-ops for a lone process
     agree                                    a check that fails on one rank stops every rank, one rank says why
 """
@@ -19,6 +20,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -159,6 +161,25 @@ class EvalRanks(DistEnv):
     """A DistEnv for the eval tools, which also remembers whether they created the process group."""
 
     owns_group: bool = False  # we created the process group, so we tear it down
+
+    # Every eval tool splits its work with `share` and merges results with `gather` (or all_reduce_sum): a layout
+    # other than plain data parallelism (sequence-parallel groups that share one work item) changes these only.
+
+    def share(self, count: int) -> list[int]:
+        """The indices, out of `count` work items (windows, prompt batches, examples), that this rank evaluates:
+        every world_size-th one from its rank."""
+        return list(range(self.rank, count, self.world_size))
+
+    def gather(self, local: dict[Any, Any]) -> dict[Any, Any]:
+        """{item key: result} of every rank merged, in key order, on every rank (collective)."""
+        if group_world_size() == 1:
+            return dict(sorted(local.items()))
+        parts: list[dict | None] = [None] * group_world_size()
+        torch.distributed.all_gather_object(parts, local)
+        merged: dict[Any, Any] = {}
+        for part in parts:
+            merged.update(part or {})
+        return dict(sorted(merged.items()))
 
     def close(self) -> None:
         if self.owns_group and torch.distributed.is_initialized():

@@ -7,11 +7,13 @@ Every step is a public command, run the way a user would run it:
   3. prepare    tapetrain data prepare (token shards + manifest, 5% validation split)
   4. train      deepspeed --num_gpus 2 --module tapetrain.train configs/demo-{tape,rope}.yaml (ZeRO-2)
   5. export     tapetrain export hf (verified against tapetrain's logits)
-  6. evaluate   tapetrain eval ppl on the validation split at 1x, 2x and 4x the training length
-  7. report     demo-report/README.md, loss curves and PPL-vs-length plots
+  6. compare    tapetrain compare on both exports: perplexity on the validation split at 1x, 2x and 4x the
+                training length and the needle grid at 2x and 4x (its prompt alone takes ~150 tokens of this
+                tokenizer), with confidence intervals; it writes demo-report/ (README.md, summary.json, the
+                training loss, PPL-vs-length and needle heatmap figures)
 
-A step whose output already exists is skipped, so re-running only does what is missing
-(`make clean-demo` starts over).
+A step whose output already exists is skipped (compare reuses every result it already has), so re-running only
+does what is missing (`make clean-demo` starts over).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ BIN = Path(sys.executable).parent
 PES = ("tape", "rope")
 SEQ_LEN = 128
 EVAL_LENGTHS = (SEQ_LEN, 2 * SEQ_LEN, 4 * SEQ_LEN)
+NEEDLE_TRIALS = 10  # per (length, depth); compare's default depths 0, 0.25, 0.5, 0.75, 1
+NEEDLE_LENGTHS = (2 * SEQ_LEN, 4 * SEQ_LEN)  # the passkey task, key line and question take ~150 of these tokens
 
 
 def tool(name: str) -> str:
@@ -42,9 +46,9 @@ def tool(name: str) -> str:
     return found
 
 
-def step(title: str, done: Path, cmd: list[str], timings: dict, env: dict | None = None) -> None:
-    """Run `cmd` unless `done` exists; print the command so the demo doubles as a tutorial."""
-    if done.exists():
+def step(title: str, done: Path | None, cmd: list, timings: dict, env: dict | None = None) -> None:
+    """Run `cmd` unless `done` exists (None: always); print the command so the demo doubles as a tutorial."""
+    if done is not None and done.exists():
         print(f"[demo] {title}: already done ({done.relative_to(REPO)})", flush=True)
         return
     print(f"[demo] {title}:\n    $ {' '.join(str(c) for c in cmd)}", flush=True)
@@ -76,86 +80,36 @@ def launcher_command(pe: str, ranks: int, cuda: bool) -> list[str]:
     return cmd
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
-
-
-def plot_losses(curves: dict[str, list[dict]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for pe, records in curves.items():
-        train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
-        val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
-        line = ax.plot(*zip(*train, strict=True), label=f"{pe} train", alpha=0.8)[0]
-        if val:
-            ax.plot(*zip(*val, strict=True), "o--", color=line.get_color(), label=f"{pe} validation")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("cross-entropy (nats/token)")
-    ax.set_title("Tiny decoder on Python stdlib source: TAPE vs RoPE")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-
-
-def write_report(timings: dict, ranks: int, device: str) -> Path:
-    curves = {pe: read_metrics(WORK / "runs" / pe) for pe in PES}
-    ppl = {pe: json.loads((REPORT / f"ppl-{pe}.json").read_text()) for pe in PES}
-    plot_losses(curves, REPORT / "loss.png")
-    from tapetrain.eval.report import plot_ppl
-
-    plot_ppl([ppl[pe] for pe in PES], REPORT / "ppl_vs_length.png")
+def write_notes(path: Path, timings: dict, ranks: int, device: str) -> None:
+    """The report's introduction (what was trained, on what, how long each step took); compare writes the rest."""
     manifest = json.loads((WORK / "data" / "manifest.json").read_text())
-
+    steps = [json.loads(line) for line in (WORK / "runs" / "tape" / "metrics.jsonl").read_text().splitlines() if line]
+    last = [r for r in steps if r.get("loss") is not None][-1]["step"]
     lines = [
-        "# tapetrain demo: TAPE vs RoPE",
+        f"Tiny decoder (preset `tiny`: 2 layers, d_model 64, 4 heads / 2 KV heads) trained for {last} steps at "
+        f"{SEQ_LEN} tokens on {ranks} rank(s) ({device}), DeepSpeed ZeRO-2, on Python's standard-library source "
+        f"({manifest['num_documents']} files, {manifest['num_tokens']:,} tokens, sentencepiece BPE vocab 512). Both "
+        "runs share every setting but the positional encoding; the exported Hugging Face checkpoints are evaluated "
+        f"on the held-out validation split. {SEQ_LEN} is the training length, longer contexts test extrapolation; the "
+        "needle grid starts at 256 tokens, since its task, key line and question alone take ~150 tokens of this "
+        "tokenizer.",
         "",
-        f"Tiny decoder (preset `tiny`: 2 layers, d_model 64, 4 heads / 2 KV heads) trained for "
-        f"{curves['tape'][-1]['step']} steps at {SEQ_LEN} tokens on {ranks} rank(s) ({device}), DeepSpeed ZeRO-2, "
-        f"on Python's standard-library source ({manifest['num_documents']} files, {manifest['num_tokens']:,} tokens, "
-        "sentencepiece BPE vocab 512). Both runs share every setting but the positional encoding.",
-        "",
-        "## Training",
-        "",
-        "| PE | final train loss | final val loss | val PPL | tokens/s (last log) |",
-        "|---|---|---|---|---|",
+        "Wall time of this invocation of `make demo`: "
+        + ("; ".join(f"{title} {seconds:.0f} s" for title, seconds in timings.items()) or "everything was reused")
+        + ". Re-running reuses finished steps and results; `make clean-demo` starts over.",
     ]
-    for pe in PES:
-        train = [r for r in curves[pe] if r.get("loss") is not None]
-        val = [r for r in curves[pe] if "val_loss" in r]
-        last_val = val[-1] if val else {}
-        lines.append(
-            f"| {pe} | {train[-1]['loss']:.4f} | {last_val.get('val_loss', float('nan')):.4f} | "
-            f"{last_val.get('val_ppl', float('nan')):.2f} | {train[-1]['tokens_per_s']:.0f} |"
-        )
-    lines += ["", "![loss curves](loss.png)", "", "## Perplexity vs evaluation length (validation split)", ""]
-    lines += ["Exported Hugging Face checkpoints, non-overlapping windows; "
-              f"{SEQ_LEN} is the training length, longer windows test extrapolation.", ""]
-    lengths = [r["length"] for r in ppl["tape"]["results"]]
-    lines.append("| PE | " + " | ".join(str(n) for n in lengths) + " |")
-    lines.append("|---|" + "---|" * len(lengths))
-    for pe in PES:
-        lines.append(f"| {pe} | " + " | ".join(f"{r['ppl']:.2f}" for r in ppl[pe]["results"]) + " |")
-    lines += ["", "![perplexity vs length](ppl_vs_length.png)", "", "## Wall time of this invocation", ""]
-    lines += [f"- {title}: {seconds:.0f} s" for title, seconds in timings.items()] or ["- everything was reused"]
-    lines += ["", "Reproduce: `make demo` (re-running reuses finished steps; `make clean-demo` starts over)."]
-    summary = {
-        pe: {
-            "final_train_loss": [r for r in curves[pe] if r.get("loss") is not None][-1]["loss"],
-            "val": [r for r in curves[pe] if "val_loss" in r][-1:] or None,
-            "ppl": ppl[pe]["results"],
-        }
-        for pe in PES
-    }
-    (REPORT / "summary.json").write_text(json.dumps({"timings_s": timings, **summary}, indent=2))
-    out = REPORT / "README.md"
-    out.write_text("\n".join(lines) + "\n")
-    return out
+    path.write_text("\n".join(lines) + "\n")
+
+
+def compare_command(tapetrain: str, notes: Path) -> list:
+    """Paths relative to the repository (the step runs there), so that the report names no machine's paths."""
+    work, report = WORK.relative_to(REPO), REPORT.relative_to(REPO)
+    lengths = ",".join(str(n) for n in EVAL_LENGTHS)
+    needle = ",".join(str(n) for n in NEEDLE_LENGTHS)
+    return [tapetrain, "compare", work / "hf" / "tape", work / "hf" / "rope", "--labels", "TAPE", "RoPE",
+            "--suite", "ppl,needle", "--data", work / "data", "--lengths", lengths, "--needle-lengths", needle,
+            "--trials", str(NEEDLE_TRIALS), "--batch-size", "8",
+            "--title", "tapetrain demo: TAPE vs RoPE", "--notes", notes.relative_to(REPO), "--out", report]
 
 
 def main() -> int:
@@ -189,12 +143,10 @@ def main() -> int:
     for pe in PES:
         step(f"export {pe}", WORK / "hf" / pe / "config.json",
              [tapetrain, "export", "hf", WORK / "runs" / pe, "--out", WORK / "hf" / pe], timings)
-    lengths = ",".join(str(n) for n in EVAL_LENGTHS)
-    for pe in PES:
-        step(f"eval ppl {pe}", REPORT / f"ppl-{pe}.json",
-             [tapetrain, "eval", "ppl", WORK / "hf" / pe, "--data", WORK / "data", "--lengths", lengths,
-              "--out", REPORT / f"ppl-{pe}.json"], timings)
-    report = write_report(timings, ranks, device)
+    notes = WORK / "report-notes.md"
+    write_notes(notes, timings, ranks, device)
+    step("compare", None, compare_command(tapetrain, notes), timings)  # compare itself reuses what it already has
+    report = REPORT / "README.md"
     print(f"[demo] done in {time.perf_counter() - started:.0f} s; report: {report.relative_to(REPO)}", flush=True)
     print(report.read_text(), flush=True)
     return 0

@@ -185,6 +185,12 @@ def read_run_model_config(run_dir_or_ckpt: str, step: int | None = None) -> Mode
     return _model_config(ckpt, _read_run_config(run_dir, ckpt))
 
 
+def run_tokenizer(run_dir_or_ckpt: str, step: int | None = None) -> str | None:
+    """The sentencepiece model a run was trained with (its config's data.tokenizer), without reading weights."""
+    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step)
+    return _tokenizer_path(_read_run_config(run_dir, ckpt), run_dir)
+
+
 def read_run_state(run_dir_or_ckpt: str, step: int | None = None) -> tuple[ModelConfig, dict, dict]:
     """(trained ModelConfig, fp32 state dict with tapetrain names and LoRA merged, info) of a run's newest complete
     checkpoint (or `step`, or the checkpoint directory given), without building the model."""

@@ -109,7 +109,7 @@ def evaluate_arith(model: EvalModel, problems: list[dict], train_max_digits: int
     keys = list(cells)
     # Deal cells round-robin by size so every rank gets long and short ones.
     order = sorted(range(len(keys)), key=lambda k: -(keys[k][0] + keys[k][1]))
-    mine = order[ranks.rank::ranks.world_size]
+    mine = [order[i] for i in ranks.share(len(order))]
     # Cells with the same len_a + len_b have prompts of the same length: decode them together.
     by_length: dict[int, list[tuple[int, dict]]] = defaultdict(list)
     for k in mine:

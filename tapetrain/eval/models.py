@@ -44,15 +44,15 @@ class EvalModel:
         if self.kind == "hf":
             keep = keep_last or 0
             return self.module(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
-        out = self.module(ids).logits
-        return out[:, -keep_last:] if keep_last else out
+        return self.module(ids, logits_to_keep=keep_last or 0).logits
 
     @torch.no_grad()
-    def generate_greedy(
+    def greedy_rows(
         self, ids: torch.Tensor, new_tokens: int, use_cache: bool = True, suppress_eos: bool = True
     ) -> torch.Tensor:
-        """ids (1, T) -> the greedy continuation (at most new_tokens ids). suppress_eos=False lets a Hugging Face
-        model stop at its EOS (fewer ids come back); a run model always decodes new_tokens plain argmax ids."""
+        """ids (B, T), every row a real prompt (no padding) -> greedy continuations (B, new_tokens). A Hugging Face
+        model never picks EOS (suppress_eos) or stops at it (suppress_eos=False: fewer columns when every row
+        ended, shorter rows padded with id 0); a run model always decodes new_tokens plain argmax ids."""
         ids = ids.to(self.device)
         if self.kind == "hf":
             mask = torch.ones_like(ids)
@@ -63,7 +63,13 @@ class EvalModel:
             )
         else:
             out = self.module.generate(ids, new_tokens, use_cache=use_cache)
-        return out[0, ids.shape[1]:].cpu()
+        return out[:, ids.shape[1]:].cpu()
+
+    def generate_greedy(
+        self, ids: torch.Tensor, new_tokens: int, use_cache: bool = True, suppress_eos: bool = True
+    ) -> torch.Tensor:
+        """ids (1, T) -> the greedy continuation (at most new_tokens ids); see greedy_rows."""
+        return self.greedy_rows(ids, new_tokens, use_cache, suppress_eos)[0]
 
 
 def _tokenizer_in(directory: str) -> str | None:

@@ -60,7 +60,8 @@ def evaluate_ppl(
     reference_ranks: int = 1,
     reference_batch_size: int = LONGLORA_EVAL_BATCH,
 ) -> list[dict]:
-    """One result per length: {length, ppl, nll, nll_sum, tokens, windows, batches, seconds}.
+    """One result per length: {length, ppl, nll, nll_sum, tokens, windows, batches, seconds, window_nll,
+    window_tokens} (the last two per window, in window order: what confidence intervals resample).
 
     nll is the protocol's mean loss (per token, or per batch for longlora-eval) and ppl its perplexity; windows
     count repeats (longlora with reference_ranks > 1). `batch_size` only sets windows per forward pass.
@@ -68,19 +69,20 @@ def evaluate_ppl(
     ranks = ranks or EvalRanks()
     if batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {batch_size}")
-    results = []
-    for length in lengths:
+    for length in lengths:  # every length before the first forward: no half-done job on a data shortage
         need = tokens_needed(length, protocol)
         if tokens.num_tokens < need:
             raise InputError(f"length {length} needs at least {need} tokens ({protocol} protocol) but "
                              f"{tokens.description} holds {tokens.num_tokens}; drop that length from --lengths, "
                              "raise --max-tokens or use more data")
+    results = []
+    for length in lengths:
         if model.max_seq_len and length > model.max_seq_len:
             log.warning("length %d > the model's training context %d: evaluating extrapolation", length,
                         model.max_seq_len)
         windows = make_windows(tokens.num_tokens, length, protocol, stride, reference_ranks)
         start = time.perf_counter()
-        mine = list(range(ranks.rank, len(windows), ranks.world_size))
+        mine = ranks.share(len(windows))
         scored = score_windows(model, tokens, [windows[i] for i in mine], length, batch_size, show=ranks.is_main)
         per_window = [0.0] * len(windows)  # every rank fills its own windows; the sum over ranks fills them all
         for i, value in zip(mine, scored, strict=True):
@@ -90,7 +92,8 @@ def evaluate_ppl(
         summary = aggregate(protocol, per_window, counts, reference_batch_size)
         results.append({"length": length, "ppl": summary["ppl"], "nll": summary["nll"],
                         "nll_sum": sum(per_window), "tokens": sum(counts), "windows": len(windows),
-                        "batches": summary["batches"], "seconds": round(time.perf_counter() - start, 3)})
+                        "batches": summary["batches"], "seconds": round(time.perf_counter() - start, 3),
+                        "window_nll": per_window, "window_tokens": counts})
     return results
 
 
@@ -109,6 +112,44 @@ def resolve_protocol(
     if protocol == "sliding" and stride is None:
         raise InputError("--protocol sliding needs --stride N (tokens between window starts, e.g. 256)")
     return protocol
+
+
+def open_model_tokens(model: EvalModel, data: str, *, tokenizer: str | None = None, token_dtype: str | None = None,
+                      split: str | None = None, max_tokens: int | None = None) -> EvalTokens:
+    """The eval data for `model`: opened (text tokenized with the model's tokenizer), limited to max_tokens, and
+    checked against the model's tokenizer and vocabulary."""
+    tokens = open_eval_tokens(data, tokenizer=tokenizer or model.tokenizer, token_dtype=token_dtype, split=split)
+    tokens = tokens.limited(max_tokens)
+    tokens.check_tokenizer(model.tokenizer_sha256, model.name)
+    tokens.check_vocab(model.vocab_size)
+    return tokens
+
+
+def ppl_report(
+    model: EvalModel, tokens: EvalTokens, lengths: list[int], protocol: str = "nonoverlap", *,
+    stride: int | None = None, batch_size: int = 1, ranks: EvalRanks | None = None, reference_ranks: int = 1,
+    reference_batch_size: int | None = None, max_tokens: int | None = None,
+) -> dict:
+    """The result dict `eval ppl --out` writes (every rank returns it)."""
+    ranks = ranks or EvalRanks()
+    reference_batch_size = reference_batch_size or LONGLORA_EVAL_BATCH
+    results = evaluate_ppl(model, tokens, lengths, protocol, stride, batch_size, ranks, reference_ranks,
+                           reference_batch_size)
+    return {
+        "model": model.name,
+        "model_kind": model.kind,
+        "data": tokens.description,
+        "protocol": protocol,
+        "stride": stride,
+        "reference_ranks": reference_ranks if protocol == "longlora" else None,
+        "reference_batch_size": reference_batch_size if protocol == "longlora-eval" else None,
+        "dtype": model.dtype,
+        "max_tokens": max_tokens,
+        "data_tokens": tokens.num_tokens,
+        "trained_context": model.max_seq_len,
+        "world_size": ranks.world_size,
+        "results": results,
+    }
 
 
 def run_eval_ppl(
@@ -160,36 +201,19 @@ def run_eval_ppl(
         reference_batch_size: longlora-eval: windows per averaged batch, eval.py's --batch_size (default 32)
     """
     protocol = resolve_protocol(protocol, stride, reference_ranks, reference_batch_size)
-    reference_batch_size = reference_batch_size or LONGLORA_EVAL_BATCH
     lengths = sorted(set(lengths or DEFAULT_LENGTHS))
     compared = [read_json(p) for p in compare or []]  # fail on a bad --compare file before the long part
     ranks = init_eval_ranks()
     try:
         model = load_eval_model(model_path, dtype, step)
         seed_eval()
-        tokens = open_eval_tokens(data, tokenizer=tokenizer or model.tokenizer, token_dtype=token_dtype, split=split)
-        tokens = tokens.limited(max_tokens)
-        tokens.check_tokenizer(model.tokenizer_sha256, model.name)
-        tokens.check_vocab(model.vocab_size)
-        results = evaluate_ppl(model, tokens, lengths, protocol, stride, batch_size, ranks, reference_ranks,
-                               reference_batch_size)
+        tokens = open_model_tokens(model, data, tokenizer=tokenizer, token_dtype=token_dtype, split=split,
+                                   max_tokens=max_tokens)
+        report = ppl_report(model, tokens, lengths, protocol, stride=stride, batch_size=batch_size, ranks=ranks,
+                            reference_ranks=reference_ranks, reference_batch_size=reference_batch_size,
+                            max_tokens=max_tokens)
     finally:
         ranks.close()
-    report = {
-        "model": model.name,
-        "model_kind": model.kind,
-        "data": tokens.description,
-        "protocol": protocol,
-        "stride": stride,
-        "reference_ranks": reference_ranks if protocol == "longlora" else None,
-        "reference_batch_size": reference_batch_size if protocol == "longlora-eval" else None,
-        "dtype": dtype,
-        "max_tokens": max_tokens,
-        "data_tokens": tokens.num_tokens,
-        "trained_context": model.max_seq_len,
-        "world_size": ranks.world_size,
-        "results": results,
-    }
     if ranks.is_main:
         print(format_ppl_table(report))
         if out:

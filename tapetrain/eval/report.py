@@ -48,10 +48,14 @@ def format_ppl_table(report: dict) -> str:
 
 def format_passkey_table(report: dict) -> str:
     protocol = f"{report['protocol']} protocol, " if report.get("protocol") else ""
-    lines = [f"passkey retrieval of {report['model']} ({protocol}{report['trials']} trials per length)",
-             f"{'length':>8} {'accuracy':>9} {'correct':>8}"]
+    depths = report.get("depths")
+    per = f"per (length, depth), depths {','.join(f'{d:g}' for d in depths)}" if depths else "per length"
+    lines = [f"passkey retrieval of {report['model']} ({protocol}{report['trials']} trials {per})",
+             f"{'length':>8} {'accuracy':>9} {'correct':>8}" + "".join(f" {f'@{d:g}':>6}" for d in depths or [])]
+    cells = {(c["length"], c["depth"]): c["accuracy"] for c in report.get("cells") or []}
     for r in report["results"]:
-        lines.append(f"{r['length']:>8} {r['accuracy']:>9.3f} {r['correct']:>8}")
+        lines.append(f"{r['length']:>8} {r['accuracy']:>9.3f} {r['correct']:>8}"
+                     + "".join(f" {cells[(r['length'], d)]:>6.2f}" for d in depths or []))
     return "\n".join(lines)
 
 
@@ -133,3 +137,9 @@ def passkey_figure(results: list[dict]):
 
 def plot_passkey(results: list[dict], out_png: str) -> None:
     _save_and_close(passkey_figure(results), out_png)
+
+
+def plot_ruler(results: list[dict], out_png: str) -> None:
+    """RULER score (mean over tasks, 0..1) vs context length, one line per `eval ruler` result dict."""
+    _save_and_close(_line_figure(results, "score", "RULER score (mean over tasks)", "RULER via lm-eval", log_y=False,
+                                 ylim=(0.0, 1.0)), out_png)

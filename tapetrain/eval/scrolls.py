@@ -48,7 +48,7 @@ def generate_predictions(model: EvalModel, tokenizer, task: str, inputs: dict[st
     builder = PromptBuilder(task, tokenizer, seq_len, max_answer_tokens)
     sampling = sampling_for(task)
     ids = list(inputs)
-    mine = list(range(ranks.rank, len(ids), ranks.world_size))
+    mine = ranks.share(len(ids))
     out: dict[str, str] = {}
     new_tokens, start = 0, time.perf_counter()
     bar = progress_bar(mine, desc=f"eval scrolls {task}", unit="example", disable=not ranks.is_main)
@@ -61,19 +61,6 @@ def generate_predictions(model: EvalModel, tokenizer, task: str, inputs: dict[st
         new_tokens += len(cont.tokens)
         bar.set_postfix_str(f"{new_tokens / (time.perf_counter() - start):.1f} new tok/s", refresh=False)
     return out
-
-
-def gather_predictions(local: dict[str, str], ranks: EvalRanks) -> dict[str, str]:
-    if ranks.world_size == 1:
-        return local
-    import torch.distributed as dist
-
-    parts: list[dict[str, str] | None] = [None] * ranks.world_size
-    dist.all_gather_object(parts, local)
-    merged: dict[str, str] = {}
-    for part in parts:
-        merged.update(part or {})
-    return merged
 
 
 def read_predictions(path: str) -> dict[str, str]:
@@ -144,7 +131,7 @@ def run_eval_scrolls(model_path: str, task: ScrollsTask, data: str, out: str, *,
             tok = Tokenizer(path)
             local = generate_predictions(model, tok, task, inputs, seq_len=seq_len,
                                          max_answer_tokens=max_answer_tokens, seed=seed, ranks=ranks)
-            predicted = gather_predictions(local, ranks)
+            predicted = ranks.gather(local)
         finally:
             ranks.close()
         sampling = sampling_for(task)

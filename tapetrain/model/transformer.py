@@ -205,12 +205,15 @@ class Transformer(nn.Module):
         position_offset: int = 0,
         cache: KVCache | None = None,
         tape_state: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
     ) -> ModelOutput:
         """input_ids (B, T); labels (B, T) aligned with the inputs (already shifted; -100 = ignore). With labels the
         loss is computed by model.loss_backend and logits are None (except the plain backend).
 
         positions (B, T) or (T,) overrides the default positions (past + arange(T) + position_offset);
         tape_state (B, T, M, D) overrides TAPE's E^(0) (tests of the O(2) property use it).
+        logits_to_keep > 0 computes the logits of the last that many positions only, (B, keep, V): a long prompt's
+        prefill needs one row, not T rows of V.
         """
         b, t = input_ids.shape
         # Host-side check only: on an accelerator this read would synchronise every micro-step, and there the data
@@ -247,6 +250,8 @@ class Transformer(nn.Module):
             # Fused loss inside lm_head's forward (ZeRO-3 gathers its weight there); no (B, T, V) logits.
             # (A LoRA-wrapped lm_head is no LMHead and takes the plain path.)
             return ModelOutput(logits=None, loss=self.lm_head(hidden, labels))
+        if logits_to_keep > 0 and labels is None:
+            hidden = hidden[:, -logits_to_keep:]
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
@@ -308,7 +313,7 @@ class Transformer(nn.Module):
         finished = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
         step_input = ids
         for _ in range(max_new_tokens):
-            logits = self(step_input if use_cache else ids, cache=cache).logits[:, -1, :].float()
+            logits = self(step_input if use_cache else ids, cache=cache, logits_to_keep=1).logits[:, -1, :].float()
             next_id = sample_next(logits, temperature, top_k, top_p, generator)
             if eos_id is not None:
                 next_id = torch.where(finished, torch.full_like(next_id, eos_id), next_id)

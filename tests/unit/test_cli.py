@@ -18,7 +18,7 @@ from tapetrain.cli import build_parser, main
 REPO = Path(__file__).resolve().parents[2]
 
 NEW_SPELLINGS = ["data prepare", "data verify", "data tokenizer", "data arith", "data scrolls", "train", "eval ppl",
-                 "eval passkey", "eval arith", "eval scrolls", "export hf"]
+                 "eval passkey", "eval arith", "eval scrolls", "eval ruler", "compare", "export hf"]
 # old spelling (one release of grace) -> its replacement
 OLD_SPELLINGS = {
     "prepare": "data prepare",

@@ -1,14 +1,21 @@
-"""Our own passkey protocol (--protocol tapetrain) end to end on a tiny model with a tiny sentencepiece tokenizer
-(accuracy is whatever it is). The reference protocols are in test_eval_passkey_reference.py."""
+"""Our own passkey protocol (--protocol tapetrain) and its needle grid (--depths) end to end on a tiny model with a
+tiny sentencepiece tokenizer (accuracy is whatever it is). The reference protocols are in
+test_eval_passkey_reference.py."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from test_hf_runs import passkey_run_and_export
 
 from tapetrain.cli import main
 from tapetrain.data.tokenizer import Tokenizer
-from tapetrain.eval.passkey import MAX_PASS_KEY, build_prompt, key_line, run_eval_passkey
+from tapetrain.eval.passkey import MAX_PASS_KEY, QUESTION, SENTENCES, build_prompt, key_line, run_eval_passkey
+
+REPO = Path(__file__).resolve().parents[2]
 
 LENGTHS = [128, 256]  # 256 > the tiny model's 128-token context: extrapolation
 
@@ -89,3 +96,73 @@ def test_accuracy_axis_is_0_to_1_even_when_every_trial_fails():
         report = {"model": "m", "protocol": "tape",
                   "results": [{"length": n, "accuracy": a} for n, a in zip(LENGTHS, accuracies, strict=True)]}
         assert passkey_figure([report]).axes[0].get_ylim() == (0.0, 1.0)
+
+
+def test_needle_grid_places_the_key_at_depth_times_the_haystack(setup):
+    """Cell placement: the key's token offset into the haystack (the filler between the task and the question) is
+    depth x the haystack's tokens within half of the longest filler sentence; 0 puts the key right after the task,
+    1 right before the question; the prompt is whole sentences up to the length. Seeding: one pass key per
+    (seed, length, trial) at every depth, another seed gives other keys."""
+    _, _, tokenizer = setup
+    tok = Tokenizer(tokenizer)
+    longest = max(len(tok.encode(s)) for s in SENTENCES)
+    question = tok.encode(QUESTION)
+    depths = [i / 10 for i in range(11)]
+    for length in (128, 256, 512):
+        for trial in range(3):
+            prompts = [build_prompt(tok, length, seed=0, trial=trial, depth=d) for d in depths]
+            assert len({p.pass_key for p in prompts}) == 1 and len({len(p.ids) for p in prompts}) == 1
+            for depth, p in zip(depths, prompts, strict=True):
+                assert p.ids[p.key_position:p.key_position + p.key_tokens] == tok.encode(key_line(p.pass_key))
+                offset = p.key_position - p.haystack_start
+                assert abs(offset - depth * p.haystack_tokens) <= longest / 2, (length, depth, offset)
+                assert length - longest < len(p.ids) <= length
+                assert p.ids[-len(question):] == question
+            assert prompts[0].key_position == prompts[0].haystack_start
+            assert prompts[-1].key_position + prompts[-1].key_tokens == len(prompts[-1].ids) - len(question)
+            again = build_prompt(tok, length, seed=0, trial=trial, depth=0.3)
+            assert again.ids == build_prompt(tok, length, seed=0, trial=trial, depth=0.3).ids
+        keys = {build_prompt(tok, length, seed=0, trial=t, depth=0.5).pass_key for t in range(3)}
+        other = {build_prompt(tok, length, seed=7, trial=t, depth=0.5).pass_key for t in range(3)}
+        assert len(keys) == 3 and keys.isdisjoint(other)
+    with pytest.raises(ValueError, match="every depth must lie in"):
+        run_eval_passkey(str(setup[1]), [128], protocol="tapetrain", depths=[0.5, 1.5])
+
+
+@pytest.mark.slow
+def test_needle_grid_cells_heatmap_batches_and_two_ranks(setup, tmp_path):
+    """The grid's JSON cells and heatmap; batched decoding gives the records of one prompt at a time, and two
+    ranks under torchrun give the records of one."""
+    import matplotlib.image
+
+    _, hf, _ = setup
+    depths, trials, lengths = [0.0, 0.5, 1.0], 2, [128, 256]
+    args = ["eval", "passkey", str(hf), "--protocol", "tapetrain", "--lengths", "128,256", "--depths", "0,0.5,1",
+            "--trials", str(trials)]
+    assert main([*args, "--out", str(tmp_path / "one.json"), "--plot", str(tmp_path / "grid.png")]) == 0
+    one = json.loads((tmp_path / "one.json").read_text())
+    assert [(c["length"], c["depth"]) for c in one["cells"]] == [(n, d) for n in lengths for d in depths]
+    for cell in one["cells"]:
+        records = [r for res in one["results"] if res["length"] == cell["length"] for r in res["records"]
+                   if r["target_depth"] == cell["depth"]]
+        assert cell["n"] == trials == len(records)
+        assert cell["accuracy"] == sum(r["correct"] for r in records) / trials
+        assert all(abs(r["depth"] - cell["depth"]) < 0.1 for r in records)
+    image = matplotlib.image.imread(str(tmp_path / "grid.png"))  # (H, W, RGBA)
+    assert image.shape[0] > 200 and image.shape[1] > 300
+    one_at_a_time = run_eval_passkey(str(hf), lengths, protocol="tapetrain", depths=depths, trials=trials,
+                                     batch_size=1)
+    assert [r["records"] for r in one_at_a_time["results"]] == [r["records"] for r in one["results"]]
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "tapetrain.cli", *args,
+           "--out", str(tmp_path / "two.json")]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO, timeout=600, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((tmp_path / "two.json").read_text())
+    assert two["world_size"] == 2
+    assert two["cells"] == one["cells"]
+    assert [r["records"] for r in two["results"]] == [r["records"] for r in one["results"]]

@@ -88,3 +88,19 @@ def test_left_padded_batch(exported):
                                use_cache=use_cache)
         assert torch.equal(both[0, 10:], greedy_without_cache(theirs, ids[:1], 8)[0, 10:])
         assert torch.equal(both[1, 10:], greedy_without_cache(theirs, ids[1:, 4:], 8)[0, 6:])
+
+
+def test_prefill_computes_the_last_rows_logits_only(exported):
+    """A long prompt's prefill must not materialise (T, V) logits: generation needs the last row only (at 128K
+    tokens and a 32K vocabulary the full tensor alone is 16 GB in fp32). Both the remote code (transformers passes
+    logits_to_keep=1) and tapetrain's own generate are checked by the shapes their lm_head returns."""
+    ours, theirs = exported
+    ids = prompt(2, 14).repeat(1, 12)  # (2, 168)
+    for model in (ours, theirs):
+        rows: list[int] = []
+        hook = model.lm_head.register_forward_hook(lambda _m, _i, out, rows=rows: rows.append(out.shape[1]))
+        try:
+            model.generate(ids, 5) if model is ours else model.generate(ids, max_new_tokens=5, do_sample=False)
+        finally:
+            hook.remove()
+        assert rows == [1] * 5, (type(model).__name__, rows)

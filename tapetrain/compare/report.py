@@ -1,0 +1,95 @@
+"""OUT/summary.json and OUT/README.md of a compare: a table per evaluation (a row per model, a column per length,
+the best value of each column in bold), its figure, the training of the runs when they are at hand, and the
+command that reproduces the report."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tapetrain.compare.entries import ModelEntry
+from tapetrain.compare.summary import best_labels, format_cell
+from tapetrain.eval.report import write_json_atomic
+
+FIGURES = {"ppl": "ppl_vs_length.png", "needle": "needle_heatmaps.png", "ruler": "ruler_vs_length.png"}
+LOSS_FIGURE = "loss.png"
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def training_rows(curves: dict[str, list[dict]]) -> list[dict]:
+    """{model, steps, train_loss, val_loss, val_ppl, tokens_per_s} from each run's metrics.jsonl."""
+    rows = []
+    for key, records in curves.items():
+        train = [r for r in records if r.get("loss") is not None]
+        val = [r for r in records if r.get("val_loss") is not None]
+        if not train:
+            continue
+        last_val = val[-1] if val else {}
+        rows.append({"model": key, "steps": train[-1]["step"], "train_loss": train[-1]["loss"],
+                     "val_loss": last_val.get("val_loss"), "val_ppl": last_val.get("val_ppl"),
+                     "tokens_per_s": train[-1].get("tokens_per_s")})
+    return rows
+
+
+def _number(value, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def evaluation_table(summary: dict) -> list[str]:
+    lengths = summary["lengths"]
+    lines = ["| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+    best = {n: best_labels(summary, n) for n in lengths}
+    for row in summary["rows"]:
+        cells = {c["length"]: c for c in row["cells"]}
+        texts = []
+        for n in lengths:
+            text = format_cell(cells[n], summary["percent"])
+            if row["label"] in best[n] and len(summary["rows"]) > 1:
+                value, _, rest = text.partition(" ")
+                text = f"**{value}** {rest}"
+            texts.append(text)
+        label = row["label"] + (f" ({len(row['seeds'])} seeds)" if row["seeds"] is not None else "")
+        lines.append(f"| {label} | " + " | ".join(texts) + " |")
+    return lines
+
+
+def write_readme(out_dir: str, title: str, notes: str | None, entries: list[ModelEntry], summaries: list[dict],
+                 training: list[dict], command: str) -> Path:
+    lines = [f"# {title}", ""]
+    if notes:
+        lines += [notes.strip(), ""]
+    lines += ["| model | kind | path |", "|---|---|---|"]
+    for entry in entries:
+        kinds = sorted({"run directory" if r.kind == "run" else "Hugging Face export" for r in entry.runs})
+        seeds = f", seeds {', '.join(str(r.seed) for r in entry.runs)}" if entry.is_group else ""
+        lines.append(f"| {entry.label} | {' / '.join(kinds)}{seeds} | `{entry.path}` |")
+    lines.append("")
+    if training:
+        lines += ["## Training", "", "| run | steps | final train loss | val loss | val PPL | tokens/s (last log) |",
+                  "|---|---|---|---|---|---|"]
+        for row in training:
+            lines.append(f"| {row['model']} | {row['steps']} | {_number(row['train_loss'], '.4f')} | "
+                         f"{_number(row['val_loss'], '.4f')} | {_number(row['val_ppl'], '.2f')} | "
+                         f"{_number(row['tokens_per_s'], '.0f')} |")
+        lines += ["", f"![training loss]({LOSS_FIGURE})", ""]
+    for summary in summaries:
+        lines += [f"## {summary['title']}", "", summary["description"], ""]
+        lines += evaluation_table(summary)
+        lines += ["", f"![{summary['name']}]({FIGURES[summary['name']]})", ""]
+    lines += ["## Reproduce", "", "```bash", command, "```", "",
+              "Each result is in `results/<model>/<evaluation>.json` (what `tapetrain eval ...` writes, plus the "
+              "settings it was computed with); running the command again reuses every result whose settings are "
+              "unchanged, so adding a model only evaluates that model."]
+    path = Path(out_dir) / "README.md"
+    tmp = path.with_name(".README.md.tmp")
+    tmp.write_text("\n".join(lines) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def write_summary(out_dir: str, payload: dict) -> None:
+    write_json_atomic(os.path.join(out_dir, "summary.json"), payload)

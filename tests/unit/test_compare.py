@@ -1,0 +1,195 @@
+"""`tapetrain compare` over tiny real runs (DeepSpeed checkpoints): a TAPE run, a RoPE run and a group of two seed
+runs (NAME/seed-0, NAME/seed-1), with ppl and the needle grid.
+
+The tables must hold exactly the numbers of the individual result files (and of `tapetrain eval ppl/passkey` run
+on their own), the intervals must contain their point estimates and narrow with more windows, a second run must
+reuse every result without a single module forward (counted with a global forward hook), and bad arguments must
+stop with one line naming the fix before any model runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from test_hf_runs import make_run, train_tiny_tokenizer
+
+from tapetrain.cli import main
+from tapetrain.compare.command import run_compare
+from tapetrain.eval.bootstrap import ppl_interval
+from tapetrain.eval.passkey import run_eval_passkey
+from tapetrain.eval.ppl import run_eval_ppl
+
+pytestmark = pytest.mark.slow
+
+LENGTHS = [128, 256]
+DEPTHS = [0.0, 0.5, 1.0]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    tokenizer = train_tiny_tokenizer(root / "tok.model")
+    tape = make_run(root / "runs" / "tape", "tape", tokenizer=tokenizer)
+    rope = make_run(root / "runs" / "rope", "rope", tokenizer=tokenizer)
+    seeds = root / "runs" / "tape-seeds"
+    seeds.mkdir()
+    os.symlink(tape, seeds / "seed-0")  # the TAPE run again: the group's seed 0 must give the TAPE row's numbers
+    make_run(seeds / "seed-1", "tape", tokenizer=tokenizer, seed=1)
+    data = root / "eval.txt"
+    data.write_text(Path(tokenizer).with_suffix(".txt").read_text()[:9000])  # about 2K tokens: 16 windows of 128
+    return {"tape": tape, "rope": rope, "tape-seeds": seeds, "data": data}
+
+
+class ForwardCounter:
+    """Every nn.Module forward in this process (a global hook): model forwards, whatever the model kind."""
+
+    def __enter__(self):
+        self.count = 0
+        self.handle = torch.nn.modules.module.register_module_forward_hook(self.hook)
+        return self
+
+    def hook(self, *_):
+        self.count += 1
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def compare_args(models: dict, out: Path, *extra: str) -> list[str]:
+    return ["compare", str(models["tape"]), str(models["rope"]), str(models["tape-seeds"]), "--suite", "ppl,needle",
+            "--data", str(models["data"]), "--lengths", ",".join(map(str, LENGTHS)), "--depths", "0,0.5,1",
+            "--trials", "2", "--out", str(out), *extra]
+
+
+def table_rows(readme: str, title: str) -> dict[str, list[str]]:
+    """{model label: cells} of the markdown table under `## title`."""
+    section = readme.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    return {r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")[1:]] for r in rows}
+
+
+def test_compare_tables_intervals_and_reuse(models, tmp_path, capsys):
+    out = tmp_path / "report"
+    with ForwardCounter() as first:
+        assert main(compare_args(models, out)) == 0
+    assert first.count > 0
+    summary = json.loads((out / "summary.json").read_text())
+    readme = (out / "README.md").read_text()
+    for name in ("ppl_vs_length.png", "needle_heatmaps.png"):
+        assert (out / name).stat().st_size > 10_000
+    ppl, needle = summary["evaluations"]["ppl"], summary["evaluations"]["needle"]
+
+    # The table against the individual result files.
+    for evaluation, key in ((ppl, "ppl"), (needle, "accuracy")):
+        for row in evaluation["rows"]:
+            for cell in row["cells"]:
+                for run in cell["runs"]:
+                    result = json.loads((out / run["result"]).read_text())
+                    (value,) = [r[key] for r in result["results"] if r["length"] == cell["length"]]
+                    assert run["value"] == value
+    by_label = {row["label"]: row for row in ppl["rows"]}
+    # ... and against `tapetrain eval ppl` / `eval passkey` run on their own with the same settings.
+    alone = run_eval_ppl(str(models["tape"]), str(models["data"]), LENGTHS)
+    assert [c["value"] for c in by_label["tape"]["cells"]] == [r["ppl"] for r in alone["results"]]
+    grid = run_eval_passkey(str(models["tape"]), LENGTHS, protocol="tapetrain", depths=DEPTHS, trials=2)
+    tape_needle = json.loads((out / "results" / "tape" / "needle.json").read_text())
+    assert tape_needle["cells"] == grid["cells"]
+    assert [r["records"] for r in tape_needle["results"]] == [r["records"] for r in grid["results"]]
+
+    # Intervals contain the point estimate; a group is the mean ± spread of its seed runs (seed 0 is the TAPE run).
+    seeds = {row["label"]: row for row in needle["rows"]}["tape-seeds"]
+    assert seeds["seeds"] == [0, 1]
+    for evaluation in (ppl, needle):
+        for row in evaluation["rows"]:
+            for cell in row["cells"]:
+                for run in cell["runs"]:
+                    assert run["ci"][0] <= run["value"] <= run["ci"][1]
+                if row["seeds"] is None:
+                    assert cell["ci"] == cell["runs"][0]["ci"] and cell["spread"] is None
+                else:
+                    values = [r["value"] for r in cell["runs"]]
+                    assert cell["value"] == pytest.approx(statistics.fmean(values))
+                    assert cell["spread"] == pytest.approx(statistics.stdev(values))
+    for tape_cell, group_cell in zip(by_label["tape"]["cells"], by_label["tape-seeds"]["cells"], strict=True):
+        assert group_cell["runs"][0]["value"] == tape_cell["value"]
+    # ... and narrow with more windows: the TAPE run's first 16 windows at 128 tokens against each quarter of them
+    # (about half as wide: the width goes as 1/sqrt(windows)).
+    windows = json.loads((out / "results" / "tape" / "ppl.json").read_text())["results"][0]
+    nll, tokens = windows["window_nll"][:16], windows["window_tokens"][:16]
+    assert len(nll) == 16
+
+    def width(part: slice) -> float:
+        low, high = ppl_interval(nll[part], tokens[part])
+        return high - low
+
+    quarters = [width(slice(i, i + 4)) for i in range(0, 16, 4)]
+    assert width(slice(None)) < 0.75 * statistics.fmean(quarters), (width(slice(None)), quarters)
+
+    # README: one table per evaluation, the printed values, the best per column in bold and nothing else.
+    for evaluation, title in ((ppl, "Perplexity"), (needle, "Needle in a haystack (passkey grid)")):
+        rows = table_rows(readme, title)
+        assert {label.split(" (")[0] for label in rows} == {"tape", "rope", "tape-seeds"}
+        for i in range(len(LENGTHS)):
+            values = {row["label"]: row["cells"][i]["value"] for row in evaluation["rows"]}
+            best = (min if evaluation["better"] == "lower" else max)(values.values())
+            for label, cells in rows.items():
+                shown = f"{100 * values[label.split(' (')[0]]:.1f}%" if evaluation["percent"] else \
+                    f"{values[label.split(' (')[0]]:.2f}"
+                assert cells[i].replace("**", "").startswith(shown)
+                is_best = f"{100 * best:.1f}%" == shown if evaluation["percent"] else f"{best:.2f}" == shown
+                assert cells[i].startswith("**") == is_best, (title, label, cells[i])
+    assert "± " in rows["tape-seeds (2 seeds)"][0]
+
+    # A second run: every result reused, no forward at all, the same report.
+    with ForwardCounter() as second:
+        assert main(compare_args(models, out)) == 0
+    assert second.count == 0
+    assert "0 results computed, 8 reused" in capsys.readouterr().out
+    assert (out / "README.md").read_text() == readme
+    # A changed setting recomputes what it changes only.
+    result = run_compare([str(models["tape"]), str(models["rope"])], out=str(out), suite="ppl,needle",
+                         data=str(models["data"]), lengths=LENGTHS, depths=DEPTHS, trials=3)
+    assert sorted(result["computed"]) == ["rope/needle", "tape/needle"]
+    assert sorted(result["reused"]) == ["rope/ppl", "tape/ppl"]
+
+
+def test_compare_errors_name_the_fix_before_any_forward(models, tmp_path, capsys):
+    cases = [
+        (["compare", str(tmp_path / "nope"), "--out", str(tmp_path / "o1"), "--data", str(models["data"])],
+         "model", "does not exist"),
+        (["compare", str(models["tape"]), "--suite", "ppl,bleu", "--out", str(tmp_path / "o2")],
+         "unknown evaluation 'bleu' in --suite; choose from ppl, needle, ruler", ""),
+        (["compare", str(models["tape"]), str(models["rope"]), "--data", str(models["data"]), "--lengths",
+          "128,100000", "--out", str(tmp_path / "o3")], "--lengths 100000 need more eval data", "--lengths 128"),
+        (["compare", str(models["tape"]), "--suite", "ppl", "--out", str(tmp_path / "o4")], "needs --data", ""),
+        (["compare", str(models["tape"]), str(models["tape"]), "--suite", "needle", "--out", str(tmp_path / "o5")],
+         "share the label tape", "--labels"),
+        (["compare", str(models["tape"]), "--suite", "ppl,needle", "--data", str(models["data"]), "--lengths",
+          "20,128", "--out", str(tmp_path / "o6")], "needle, tape: passkey length 20 is too short", "--needle-lengths"),
+    ]
+    for args, message, fix in cases:
+        with ForwardCounter() as counter:
+            assert main(args) == 1
+        err = capsys.readouterr().err
+        assert message in err and fix in err, err
+        assert counter.count == 0
+        assert not (Path(args[args.index("--out") + 1]) / "README.md").exists()
+
+
+def test_run_directories_are_exported_once_for_export_only_evaluations(models, tmp_path):
+    """RULER runs Hugging Face exports: a run directory is exported into OUT/exports/<label> once, reused while its
+    checkpoint is the same."""
+    from tapetrain.compare.entries import resolve_entries
+    from tapetrain.compare.models import ModelHandle
+
+    (entry,) = resolve_entries([str(models["rope"])])
+    export = Path(ModelHandle(entry.runs[0], "fp32", str(tmp_path)).export_dir())
+    assert export == tmp_path / "exports" / "rope" and (export / "config.json").is_file()
+    stamp = (export / "tapetrain_export.json").stat().st_mtime_ns
+    assert ModelHandle(entry.runs[0], "fp32", str(tmp_path)).export_dir() == str(export)
+    assert (export / "tapetrain_export.json").stat().st_mtime_ns == stamp
