@@ -13,6 +13,8 @@
 #   NODE_RANK    set to launch this node only (adds --no_ssh --node_rank)
 #   LAUNCHER     DeepSpeed multi-node backend when using ssh: pdsh (default), openmpi, mvapich, slurm, ...
 #   DS_ARGS      extra launcher flags
+#   PYTHON       interpreter that checks the hostfile first (default python3)
+#   TAPETRAIN_WAIT_REPORT_S  seconds between the ranks' "still waiting for ..." lines at start-up (default 60)
 #
 # Stop: `kill PID` (this script's pid; SIGTERM) or Ctrl-C. With NODE_RANK (one script per node) signal every
 # node's script: its ranks save their part of the checkpoint and exit. Over ssh/pdsh, DeepSpeed's runner forwards
@@ -20,7 +22,7 @@
 set -euo pipefail
 
 if [[ $# -lt 2 || $1 == -h || $1 == --help ]]; then
-    sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit 2
 fi
 hostfile=$1
@@ -33,11 +35,17 @@ for f in "$hostfile" "$config"; do
     fi
 done
 
-first_host=$(awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$hostfile")
-if [[ -z $first_host ]]; then
-    echo "error: no hosts in $hostfile (expected lines like 'node0 slots=8')" >&2
+# Check the hostfile before DeepSpeed reads it: DeepSpeed raises a traceback on a malformed line and accepts one with
+# trailing junk, after which rank 0 waits silently. On a bad line this prints one message naming it and exits 2.
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if ! summary=$(PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m tapetrain.hostfile "$hostfile"); then
     exit 2
 fi
+first_host=${summary%%$'\n'*}
+# Every rank's start-up names these nodes while it waits for the others to join (tapetrain.distributed).
+export TAPETRAIN_NODES=${summary#*$'\n'}
+echo "tapetrain: $hostfile: $TAPETRAIN_NODES; rendezvous at ${MASTER_ADDR:-$first_host}:${MASTER_PORT:-29500}" \
+    "${NODE_RANK:+(this node: NODE_RANK=$NODE_RANK; start this script on every other node with its NODE_RANK)}" >&2
 
 launcher=(deepspeed --hostfile "$hostfile" --master_addr "${MASTER_ADDR:-$first_host}"
     --master_port "${MASTER_PORT:-29500}")

@@ -24,6 +24,8 @@ class Command:
     target: str  # "module:function"
     positional: dict[str, str] = field(default_factory=dict)  # parameter -> metavar, in command-line order
     old: str | None = None  # the previous release's spelling: still accepted, with a deprecation line
+    # parameter -> "dir" or "file": paths the command writes, checked before it starts (tapetrain.output_paths)
+    outputs: dict[str, str] = field(default_factory=dict)
 
     def function(self) -> Callable:
         module, _, name = self.target.partition(":")
@@ -31,20 +33,24 @@ class Command:
 
 
 MODEL = {"model_path": "MODEL"}
+OUT_DIR, OUT_FILE = {"out": "dir"}, {"out": "file"}
+OUT_AND_PLOT = {"out": "file", "plot": "file"}
 COMMANDS = (
-    Command("data tokenizer", "tapetrain.data.commands:tokenizer", old="tokenizer train"),
-    Command("data prepare", "tapetrain.data.commands:prepare", old="prepare"),
+    Command("data tokenizer", "tapetrain.data.commands:tokenizer", old="tokenizer train", outputs=OUT_FILE),
+    Command("data prepare", "tapetrain.data.commands:prepare", old="prepare", outputs=OUT_DIR),
     Command("data verify", "tapetrain.data.commands:verify", {"data_dirs": "DATA_DIR"}, old="verify"),
-    Command("data arith", "tapetrain.data.commands:arith", old="arith data"),
-    Command("data scrolls", "tapetrain.data.commands:scrolls", old="scrolls data"),
+    Command("data arith", "tapetrain.data.commands:arith", old="arith data", outputs=OUT_DIR),
+    Command("data scrolls", "tapetrain.data.commands:scrolls", old="scrolls data", outputs=OUT_DIR),
     Command("train", "tapetrain.train.run:train", {"config": "CONFIG.yaml", "overrides": "KEY=VALUE"}),
-    Command("export hf", "tapetrain.checkpoint.commands:export_hf", {"run_dir": "RUN_DIR"}, old="export-hf"),
-    Command("eval ppl", "tapetrain.eval.ppl:run_eval_ppl", MODEL, old="eval-ppl"),
-    Command("eval passkey", "tapetrain.eval.passkey:run_eval_passkey", MODEL, old="eval-passkey"),
-    Command("eval arith", "tapetrain.eval.arith:run_eval_arith", MODEL, old="eval-arith"),
-    Command("eval scrolls", "tapetrain.eval.scrolls:run_eval_scrolls", MODEL, old="eval-scrolls"),
-    Command("eval ruler", "tapetrain.eval.ruler:run_eval_ruler", MODEL),
-    Command("compare", "tapetrain.compare.command:run_compare", {"models": "MODEL"}),
+    Command("export hf", "tapetrain.checkpoint.commands:export_hf", {"run_dir": "RUN_DIR"}, old="export-hf",
+            outputs=OUT_DIR),
+    Command("eval ppl", "tapetrain.eval.ppl:run_eval_ppl", MODEL, old="eval-ppl", outputs=OUT_AND_PLOT),
+    Command("eval passkey", "tapetrain.eval.passkey:run_eval_passkey", MODEL, old="eval-passkey",
+            outputs=OUT_AND_PLOT),
+    Command("eval arith", "tapetrain.eval.arith:run_eval_arith", MODEL, old="eval-arith", outputs=OUT_AND_PLOT),
+    Command("eval scrolls", "tapetrain.eval.scrolls:run_eval_scrolls", MODEL, old="eval-scrolls", outputs=OUT_FILE),
+    Command("eval ruler", "tapetrain.eval.ruler:run_eval_ruler", MODEL, outputs=OUT_AND_PLOT),
+    Command("compare", "tapetrain.compare.command:run_compare", {"models": "MODEL"}, outputs=OUT_DIR),
 )
 GROUPS = {
     "data": "corpus -> tokenizer -> token shards; task data (arithmetic, SCROLLS); shard checks",
@@ -94,8 +100,21 @@ def find_command(argv: list[str], prog: str) -> tuple[Command | None, list[str]]
     return None, argv
 
 
+def check_outputs(command: Command, args: argparse.Namespace) -> None:
+    """Every path the command will write is checked before it starts: a result that cannot be written is refused
+    now, not after the work (train checks run.out_dir itself: it is a config key)."""
+    from tapetrain.output_paths import check_output_dir, check_output_file
+
+    for name, kind in command.outputs.items():
+        path = getattr(args, name, None)
+        if path is not None:
+            check = check_output_dir if kind == "dir" else check_output_file
+            check(path, f"--{name.replace('_', '-')}")
+
+
 def run(command: Command, args: argparse.Namespace, prog: str) -> int:
     try:
+        check_outputs(command, args)
         result = call_with(command.function(), args)
     except Exception as err:
         from tapetrain.errors import UserError

@@ -12,6 +12,12 @@ Mapping (the parameter `val_fraction: float = 0.0` becomes `--val-fraction F`):
 
 The docstring's text before `Args:` is the command's description (its first line the summary in `tapetrain
 --help`); each `name: text` under `Args:` is that option's help. Defaults other than None/False are appended.
+
+Why this rather than typer, tyro or jsonargparse (which generate parsers from signatures too): the mapping above is
+all tapetrain needs, and owning it keeps three things a library would make awkward: a command imports only its
+own function's module (`tapetrain data verify` runs without importing torch; only `--help` reads every docstring),
+the deepspeed launcher's `--local_rank=N` and the `KEY=VALUE` overrides after `train`'s options parse as they always
+did, and the previous release's spellings map onto the same functions with one deprecation line. No dependency.
 """
 
 from __future__ import annotations

@@ -13,11 +13,16 @@ eval/ all use it, and it imports none of them (checkpoint code must not depend o
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
+import sys
+import threading
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -26,6 +31,7 @@ import torch
 
 from tapetrain.data.errors import DataError
 from tapetrain.errors import (
+    CheckpointError,
     ConfigError,
     DiskSpaceError,
     InputError,
@@ -37,6 +43,7 @@ from tapetrain.errors import (
 )
 
 DEFAULT_TIMEOUT_MINUTES = 30.0
+log = logging.getLogger(__name__)
 
 # ---- who and where this process is ---------------------------------------------------------------------------
 
@@ -127,18 +134,81 @@ def init_distributed(timeout_minutes: float | None = None) -> DistEnv:
             skip_cpu_shm_op_build()
         minutes = DEFAULT_TIMEOUT_MINUTES if timeout_minutes is None else timeout_minutes
         backend = "nccl" if device.type == "cuda" else "gloo"
+        groups_default_to(timedelta(minutes=minutes))
         if lone:
             deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes),
                                        auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}",
                                        rank=0, world_size=1)
         else:
-            deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes))
+            with reporting_the_wait():
+                deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes))
     return DistEnv(
         rank=torch.distributed.get_rank(),
         local_rank=local_rank(),
         world_size=torch.distributed.get_world_size(),
         device=device,
     )
+
+
+WAIT_REPORT_S = 60.0  # default of TAPETRAIN_WAIT_REPORT_S
+
+
+def waiting_message(waited_s: float) -> str:
+    """Who this rank waits for while the process group forms: the rendezvous, the rank count and, from a launch
+    through launch/multi_node.sh, the hostfile's nodes."""
+    env = os.environ
+    node = f" (node {env['CROSS_RANK']} of {env['CROSS_SIZE']})" if "CROSS_RANK" in env and "CROSS_SIZE" in env else ""
+    nodes = f"; the hostfile's {env['TAPETRAIN_NODES']}" if env.get("TAPETRAIN_NODES") else ""
+    return (f"rank {env.get('RANK', '?')}{node} has waited {waited_s:.0f} s at {env.get('MASTER_ADDR', '?')}:"
+            f"{env.get('MASTER_PORT', '?')} for all {env.get('WORLD_SIZE', '?')} ranks to join{nodes}; start the "
+            "launch on every node (launch/multi_node.sh with each node's NODE_RANK, or over ssh) and check that "
+            "every node reaches MASTER_ADDR:MASTER_PORT")
+
+
+@contextmanager
+def reporting_the_wait() -> Iterator[None]:
+    """Each node's first rank says every TAPETRAIN_WAIT_REPORT_S seconds (default 60; 0 = never) that it is still
+    waiting for the process group: a node that was never started, or cannot reach MASTER_ADDR, otherwise leaves
+    the others waiting silently until the collective timeout."""
+    every = float(os.environ.get("TAPETRAIN_WAIT_REPORT_S", WAIT_REPORT_S))
+    if every <= 0 or local_rank() != 0:
+        yield
+        return
+    done = threading.Event()
+
+    def report() -> None:
+        start = time.monotonic()
+        while not done.wait(every):
+            log.warning(waiting_message(time.monotonic() - start))
+
+    thread = threading.Thread(target=report, name="tapetrain-wait-report", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def groups_default_to(default: timedelta) -> None:
+    """Make every process group created without a timeout use `default` (the world group's).
+
+    torch gives such a group its backend's default (30 minutes for gloo, 10 for nccl), not the world group's.
+    DeepSpeed creates its groups that way (deepspeed.comm.new_group passes no timeout), among them the clone of
+    the world group that carries the ZeRO gradient reductions, so one hung rank blocked the others for 30 minutes
+    whatever deepspeed.timeout_minutes said. new_subgroups and friends call new_group inside distributed_c10d,
+    so both names are replaced.
+    """
+    from torch.distributed import distributed_c10d
+
+    original = getattr(distributed_c10d.new_group, "__wrapped__", distributed_c10d.new_group)
+
+    @functools.wraps(original)
+    def new_group(ranks=None, timeout=None, *args, **kwargs):
+        return original(ranks, default if timeout is None else timeout, *args, **kwargs)
+
+    distributed_c10d.new_group = new_group
+    torch.distributed.new_group = new_group
 
 
 def collective_timeout_minutes() -> float | None:
@@ -161,17 +231,22 @@ class EvalRanks(DistEnv):
     """A DistEnv for the eval tools, which also remembers whether they created the process group."""
 
     owns_group: bool = False  # we created the process group, so we tear it down
+    sequence_parallel: int = 1  # N: groups of N consecutive ranks share each work item (each holds T/N tokens)
 
     # Every eval tool splits its work with `share` and merges results with `gather` (or all_reduce_sum): a layout
     # other than plain data parallelism (sequence-parallel groups that share one work item) changes these only.
 
     def share(self, count: int) -> list[int]:
         """The indices, out of `count` work items (windows, prompt batches, examples), that this rank evaluates:
-        every world_size-th one from its rank."""
-        return list(range(self.rank, count, self.world_size))
+        every (world_size / N)-th one from its data-parallel rank (rank // N), the same for a group's N ranks."""
+        from tapetrain.parallel.layout import ParallelLayout
+
+        layout = ParallelLayout(self.world_size, self.sequence_parallel)
+        return list(range(layout.data_parallel_rank(self.rank), count, layout.data_parallel))
 
     def gather(self, local: dict[Any, Any]) -> dict[Any, Any]:
-        """{item key: result} of every rank merged, in key order, on every rank (collective)."""
+        """{item key: result} of every rank merged, in key order, on every rank (collective). The ranks of a
+        sequence-parallel group hold the same results for the same keys."""
         if group_world_size() == 1:
             return dict(sorted(local.items()))
         parts: list[dict | None] = [None] * group_world_size()
@@ -183,7 +258,29 @@ class EvalRanks(DistEnv):
 
     def close(self) -> None:
         if self.owns_group and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+            # every rank reaches here before any tears down: a peer's gloo threads torn down while another rank
+            # still talks to them aborted a rank at exit ("terminate called without an active exception"). Not
+            # while an error propagates (close runs in a finally): a failed peer would never arrive.
+            if self.world_size > 1 and sys.exc_info()[0] is None:
+                torch.distributed.barrier()
+            destroy_process_group()
+
+
+def destroy_process_group() -> None:
+    """Tear the default process group down, and DeepSpeed's cached groups with it when DeepSpeed is loaded.
+
+    torch's own destroy left DeepSpeed's clone of the world group (and the SP `mpu`) cached: the next
+    deepspeed.initialize in the same process failed with "Group ... is not registered". DeepSpeed 0.19.8's
+    deepspeed.comm.destroy_process_group releases those references; it is used whenever DeepSpeed started the group.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    # the live backend is deepspeed.comm.comm.cdb (the package re-exports the None it started with)
+    deepspeed_comm = sys.modules.get("deepspeed.comm.comm")
+    if deepspeed_comm is not None and getattr(deepspeed_comm, "cdb", None) is not None:
+        deepspeed_comm.destroy_process_group()
+    else:
+        torch.distributed.destroy_process_group()
 
 
 def init_eval_ranks() -> EvalRanks:
@@ -231,7 +328,7 @@ def barrier() -> None:
 # Failures whose message is the whole story (they name the problem and the fix): no traceback needed.
 EXPECTED_ERRORS = (UserError,)
 _BY_NAME = {cls.__name__: cls for cls in (ConfigError, DataError, RunError, DiskSpaceError, RunDirLockedError,
-                                          InputError, MissingInputError, MissingPackageError)}
+                                          CheckpointError, InputError, MissingInputError, MissingPackageError)}
 
 
 def agree(env: DistEnv, check: Callable[[], None], *, on_main_only: bool = False) -> None:

@@ -37,6 +37,10 @@ class DiskSpaceError(RunError):
     """Not enough free space for a checkpoint (or a checkpoint conversion) in the run directory."""
 
 
+class CheckpointError(RunError):
+    """A checkpoint could not be completed (its background hashing or rename failed); it stays incomplete."""
+
+
 class RunDirLockedError(RunError):
     """Another job holds the run directory."""
 

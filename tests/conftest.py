@@ -1,10 +1,34 @@
 import os
+import sys
 
 import pytest
 import torch
 
 # Keep CPU tests deterministic and cheap on the 2-core CI machine.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+def _import_triton_for_the_interpreter() -> None:
+    """Without CUDA the kernel tests run Triton's CPU interpreter, which needs TRITON_INTERPRET=1 when triton is
+    first imported (triton 3.9 builds tl.zeros & co. with @triton.jit at import). Test modules collected earlier
+    import triton through transformers, so import it here, first, in interpreter mode; the variable itself is put
+    back so no other test or subprocess sees it (CPU runs keep choosing SDPA)."""
+    if torch.cuda.is_available() or "triton" in sys.modules:
+        return
+    before = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET")
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+
+
+_import_triton_for_the_interpreter()
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,9 @@
   python tools/benchmark.py attention [--seq-lens 1024,2048] [--backends sdpa,triton] [--out R.json]
   python tools/benchmark.py train --preset paper-155m --seq-len 1024 [--batch 8] [--pe-list tape,rope] --out R.json
   python tools/benchmark.py engine --preset tiny [--zero-stage 2] --out R.json
-  python tools/benchmark.py data [--corpus-mb 8] [--seq-lens 512,2048,8192] [--out R.json]
+  python tools/benchmark.py data [--corpus-mb 8] [--seq-lens 512,2048,8192] [--remote-latency-ms 50] [--out R.json]
+  python tools/benchmark.py docmask --preset tiny --seq-len 1024 --docs 8 [--pairs 20] [--pe tape] --out R.json
+  python tools/benchmark.py sp --ranks 2 --preset tiny --seq-len 1024 [--pairs 10] [--pe-list tape,rope] --out R.json
 
 Every mode prints a table; with --out it writes JSON (atomically) and a PNG next to it (--plot P.png to move it,
 --no-plot to skip). Defaults depend on the device: small sizes and fp32 on CPU, realistic sizes and bf16 on CUDA.
@@ -63,7 +65,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="model preset: tiny, paper-155m, llama2-7b")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's max_seq_len, ≤128 on CPU)")
     p.add_argument("--batch", type=int, help="sequences per step (default: 2 on CPU, 8 on CUDA)")
-    p.add_argument("--steps", type=int, help="timed optimizer steps")
+    p.add_argument("--steps", type=int, help="timed rounds, each variant once, order rotated (≥ 10 for a headline)")
     p.add_argument("--warmup", type=int, help="untimed optimizer steps first")
     p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa, triton, flash")
     p.add_argument("--peak-tflops", type=float, help="device peak TFLOP/s for MFU (needed on CPU/unknown GPUs)")
@@ -84,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heads", type=int, default=12, help="query heads (default 12, the paper's 155M model)")
     p.add_argument("--kv-heads", type=int, help="key/value heads for GQA (default: --heads)")
     p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--iters", type=int, help="timed iterations (median reported)")
+    p.add_argument("--iters", type=int, help="timed rounds, each case once, order rotated (≥ 10 for a headline)")
     p.add_argument("--warmup", type=int, help="untimed iterations first")
     p.add_argument(
         "--backends", type=_names,
@@ -112,6 +114,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="model.attn_backend")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
+    p = sub.add_parser("sp", help="sequence parallelism on CPU ranks: SP 1 vs SP N tokens/s and memory per rank")
+    _common(p, device=False)  # CPU ranks over gloo
+    p.add_argument("--ranks", type=int, default=2, help="ranks to launch; SP 1 is compared with SP = ranks (default 2)")
+    p.add_argument("--preset", default="tiny", help="model preset: tiny, paper-155m, ...")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=bench.MIN_HEADLINE_PAIRS,
+        help=f"timed rounds, each one pair per PE (default and minimum {bench.MIN_HEADLINE_PAIRS})",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--pe-list", type=_names, default=["tape", "rope"], help="positional encodings (default tape,rope)")
+    p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model config key, e.g. --set n_layers=4 (repeatable)",
+    )
+    p.add_argument(
+        "--allow-few-pairs",
+        action="store_true",
+        help=f"allow fewer than {bench.MIN_HEADLINE_PAIRS} pairs (tests); the JSON is then no headline",
+    )
+
+    p = sub.add_parser("docmask", help="training step with vs without the document mask, alternated in one process")
+    _common(p)
+    p.add_argument("--preset", default="tiny", help="model preset: tiny, paper-155m, ...")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
+    p.add_argument("--docs", type=int, default=8, help="documents per row, random lengths (default 8)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=bench.MIN_HEADLINE_PAIRS,
+        help=f"timed rounds of one step per variant (default and minimum {bench.MIN_HEADLINE_PAIRS})",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--pe", default="tape", help="positional encoding (default tape)")
+    p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa, ...")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a model config key (repeatable)",
+    )
+    p.add_argument(
+        "--allow-few-pairs",
+        action="store_true",
+        help=f"allow fewer than {bench.MIN_HEADLINE_PAIRS} pairs (tests); the JSON is then no headline",
+    )
+
     p = sub.add_parser("data", help="prepare throughput (1 and 2 workers) and batch reader throughput")
     p.add_argument("--out", type=Path, help="write the results as JSON here (atomically)")
     p.add_argument("--workdir", help="keep the generated data here (default: a temp dir, removed)")
@@ -121,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-lens", type=_ints, default=[512, 2048, 8192], help="reader sequence lengths")
     p.add_argument("--micro-batch", type=int, default=8, help="reader samples per batch")
     p.add_argument("--seconds", type=float, default=4.0, help="reader time per sequence length")
+    p.add_argument("--remote-latency-ms", type=float, default=None,
+                   help="also read the dataset over HTTP on 127.0.0.1 with this latency per request (e.g. 50): "
+                        "cold and warm shard cache")
+    p.add_argument("--remote-shard-tokens", type=int, default=1 << 20, help="tokens per shard of the remote dataset")
     return parser
 
 
@@ -144,21 +208,86 @@ def _emit(args: argparse.Namespace, result: dict, report: str, plot) -> None:
         print(f"wrote {plot(result, plot_path)}")
 
 
+def _checked_run(args: argparse.Namespace, settings, check, run, report, plot) -> int:
+    """Refuse impossible settings in one line (exit 2) before any work, then run, print and write."""
+    try:
+        check(settings)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    result = run(settings, progress=not args.no_progress)
+    _emit(args, result, report(result), plot)
+    return 0
+
+
+def _sp(args: argparse.Namespace) -> int:
+    settings = bench.SpSettings(
+        preset=args.preset,
+        seq_len=args.seq_len,
+        ranks=args.ranks,
+        batch=args.batch,
+        pairs=args.pairs,
+        warmup=args.warmup,
+        dtype=args.dtype or "fp32",
+        pe_list=args.pe_list,
+        backend=args.backend,
+        overrides=bench.parse_overrides(args.overrides),
+        threads=args.threads or 1,
+        allow_few_pairs=args.allow_few_pairs,
+        seed=args.seed,
+    )
+    return _checked_run(args, settings, bench.check_sp_settings, bench.run_sp_benchmark, bench.sp_report,
+                        bench.plot_sp)
+
+
+def _docmask(args: argparse.Namespace) -> int:
+    device = bench.pick_device(args.device)
+    settings = bench.DocmaskSettings(
+        preset=args.preset,
+        seq_len=args.seq_len,
+        batch=args.batch,
+        docs=args.docs,
+        pairs=args.pairs,
+        warmup=args.warmup,
+        dtype=args.dtype or bench.default_dtype(device),
+        pe=args.pe,
+        backend=args.backend,
+        overrides=bench.parse_overrides(args.overrides),
+        device=str(device),
+        allow_few_pairs=args.allow_few_pairs,
+        seed=args.seed,
+    )
+    return _checked_run(args, settings, bench.check_docmask_settings, bench.run_docmask_benchmark,
+                        bench.docmask_report, bench.plot_docmask)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
     if args.mode == "data":
-        settings = bench.DataSettings(workdir=args.workdir, corpus_mb=args.corpus_mb, vocab=args.vocab,
-                                      reader_tokens=args.reader_tokens, seq_lens=args.seq_lens,
-                                      micro_batch=args.micro_batch, seconds=args.seconds)
+        settings = bench.DataSettings(
+            workdir=args.workdir,
+            corpus_mb=args.corpus_mb,
+            vocab=args.vocab,
+            reader_tokens=args.reader_tokens,
+            seq_lens=args.seq_lens,
+            micro_batch=args.micro_batch,
+            seconds=args.seconds,
+            remote_latency_ms=args.remote_latency_ms,
+            remote_shard_tokens=args.remote_shard_tokens,
+        )
         result = bench.run_data_benchmark(settings)
         print(bench.data_report(result))
         if args.out:
             print(f"wrote {bench.write_json_atomic(args.out, result)}")
         return 0
 
+    if args.mode == "sp":
+        return _sp(args)
+    if args.mode == "docmask":
+        return _docmask(args)
     device = bench.pick_device(getattr(args, "device", "auto"))
     cuda = device.type == "cuda"
     dtype = args.dtype or bench.default_dtype(device)

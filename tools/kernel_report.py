@@ -2,6 +2,7 @@
 """Registers, spills and shared memory of every fused-attention kernel, for A100 and H100, without a GPU.
 
   python tools/kernel_report.py --out R.json [--all-configs] [--archs 80,90] [--head-dims 64,128]
+  python tools/kernel_report.py --check docs/benchmarks/kernel-report.json   # stale? (no ptxas, seconds)
 
 For each arch (sm_80, sm_90a) × head dim (64, 128) × dtype (bf16, fp16) × case (TAPE: values V and E with
 Dv = De = D; plain: values only) it runs the kernels' launch code on meta tensors, records the launches and the
@@ -52,9 +53,8 @@ def launches(arch: int, head_dim: int, dtype: torch.dtype, tape: bool) -> list[d
     return capture.launches
 
 
-def report(archs: list[int], head_dims: list[int], dtypes: list[str], all_configs: bool) -> list[dict]:
-    from tqdm import tqdm
-
+def jobs_of(archs: list[int], head_dims: list[int], dtypes: list[str], all_configs: bool) -> list[tuple]:
+    """(arch, D, dtype, tape, launch, rank, config) for every launch of every case; rank 0 = the chosen config."""
     jobs = []
     for arch in archs:
         for d in head_dims:
@@ -64,26 +64,59 @@ def report(archs: list[int], head_dims: list[int], dtypes: list[str], all_config
                         cfgs = launch["configs"] if all_configs else launch["configs"][:1]
                         for rank, cfg in enumerate(cfgs):
                             jobs.append((arch, d, dt, tape, launch, rank, cfg))
+    return jobs
+
+
+def identity(arch: int, d: int, dt: str, tape: bool, launch: dict, rank: int, cfg: tuple) -> dict:
+    """What a record says about which kernel ran where with which launch config (no compiler output)."""
+    bm, bn, warps, stages = cfg
+    return {
+        "kernel": KERNEL_NAMES[launch["kind"]],
+        "arch": f"sm_{arch}" + ("a" if arch == 90 else ""),
+        "head_dim": d,
+        "dtype": dt,
+        "case": "tape" if tape else "plain",
+        "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages},
+        "chosen": rank == 0,
+    }
+
+
+def report(archs: list[int], head_dims: list[int], dtypes: list[str], all_configs: bool) -> list[dict]:
+    from tqdm import tqdm
+
     records = []
-    for arch, d, dt, tape, launch, rank, cfg in tqdm(jobs, desc="compile + ptxas", leave=False):
-        bm, bn, warps, stages = cfg
+    for job in tqdm(jobs_of(archs, head_dims, dtypes, all_configs), desc="compile + ptxas", leave=False):
+        arch, _, _, _, launch, _, (bm, bn, warps, stages) = job
         consts = dict(launch["consts"], BLOCK_M=bm, BLOCK_N=bn)
         ptx, shared = ptx_report.compile_ptx(launch["kernel"], launch["args"], consts, arch, warps, stages)
         res = ptx_report.ptxas_resources(ptx, arch, shared)
-        records.append(
-            {
-                "kernel": KERNEL_NAMES[launch["kind"]],
-                "arch": f"sm_{arch}" + ("a" if arch == 90 else ""),
-                "head_dim": d,
-                "dtype": dt,
-                "case": "tape" if tape else "plain",
-                "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages},
-                "chosen": rank == 0,
-                **res.to_dict(),
-                "shared_limit": ptx_report.SHARED_LIMIT[arch],
-            }
-        )
+        records.append({**identity(*job), **res.to_dict(), "shared_limit": ptx_report.SHARED_LIMIT[arch]})
     return records
+
+
+def stale_records(path: Path) -> list[str]:
+    """Differences between a report's chosen configs and the ones the runtime table chooses today, for the archs,
+    head dims and dtypes the report covers (launch code on meta tensors only: no compiler, no ptxas, seconds)."""
+    recorded = [
+        {key: r[key] for key in ("kernel", "arch", "head_dim", "dtype", "case", "config", "chosen")}
+        for r in json.loads(path.read_text())["records"]
+        if r["chosen"]
+    ]
+    archs = sorted({int(r["arch"][3:5]) for r in recorded})
+    head_dims = sorted({r["head_dim"] for r in recorded})
+    dtypes = sorted({r["dtype"] for r in recorded})
+    current = [identity(*job) for job in jobs_of(archs, head_dims, dtypes, all_configs=False)]
+
+    def key(r: dict) -> tuple:
+        return r["kernel"], r["arch"], r["head_dim"], r["dtype"], r["case"]
+
+    now = {key(r): r["config"] for r in current}
+    then = {key(r): r["config"] for r in recorded}
+    problems_found = [f"{' '.join(map(str, k))}: report {then[k]}, runtime {now[k]}" for k in then if k in now and
+                      then[k] != now[k]]
+    problems_found += [f"{' '.join(map(str, k))}: in the report, no longer launched" for k in then if k not in now]
+    problems_found += [f"{' '.join(map(str, k))}: launched, missing from the report" for k in now if k not in then]
+    return problems_found
 
 
 def problems(records: list[dict]) -> list[dict]:
@@ -116,7 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--all-configs", action="store_true", help="also compile the fallback configs")
+    p.add_argument("--check", type=Path, metavar="REPORT",
+                   help="only compare REPORT's chosen configs with the runtime's (no ptxas); exit 1 when stale")
     args = p.parse_args(argv)
+    if args.check:
+        stale = stale_records(args.check)
+        for line in stale:
+            print(line)
+        if stale:
+            print(f"{args.check} is stale ({len(stale)} difference(s)); regenerate it: python tools/kernel_report.py "
+                  f"--out {args.check}")
+            return 1
+        print(f"{args.check}: every chosen config is the runtime's")
+        return 0
     if not ptx_report.find_ptxas():
         print("kernel_report: no ptxas in the triton wheel; install triton (pip install triton)", file=sys.stderr)
         return 2

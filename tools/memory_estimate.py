@@ -8,20 +8,32 @@ auto/chunked/liger, the default); --loss plain gives the materialised (B, T, V) 
 and the fused loss and prints the bytes autograd saves for backward (measure_saved_activation_bytes):
 
     python tools/memory_estimate.py --measure-saved --preset paper-155m --layers 2 --seq-len 1024 --micro-batch 4
+
+--sequence-parallel N: each GPU holds seq-len / N tokens of every sequence (DeepSpeed-Ulysses); --tiled-mlp
+CHUNKS|auto: model.tiled_mlp. --longest-context prints, per sequence-parallel degree 1, 2, 4, 8 (up to the world
+size), the longest context (a multiple of 1024) whose estimate fits 90% of --gpu-gb, for the 8K TAPE recipe's
+setting (configs/llama2-7b-8k-tape.yaml: ZeRO-2, TAPE + embeddings + norms trained, activation checkpointing, micro
+batch 1), without and with the tiled MLP:
+
+    python tools/memory_estimate.py --longest-context --gpu-gb 80 --world-size 8 --out docs/benchmarks/x.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
-import torch
-
-from tapetrain.model import Transformer, preset_config
-from tapetrain.train.memory import as_row, estimate_memory, measure_loss_saved_bytes
-from tapetrain.train.optim import is_trainable
+from tapetrain.model import preset_config
+from tapetrain.train.memory import (
+    ZeroBuffers,
+    as_row,
+    estimate_memory,
+    measure_loss_saved_bytes,
+    parameter_counts,
+)
 
 
 def main() -> int:
@@ -35,31 +47,36 @@ def main() -> int:
     parser.add_argument("--loss", choices=("fused", "plain"), default="fused", help="loss term of the estimate")
     parser.add_argument("--measure-saved", action="store_true", help="measure saved bytes, plain vs fused loss")
     parser.add_argument("--layers", type=int, help="--measure-saved: cut the preset to this many layers")
+    parser.add_argument("--sequence-parallel", type=int, default=1, help="SP degree N (seq-len / N tokens per GPU)")
+    parser.add_argument("--tiled-mlp", default="0", help="model.tiled_mlp: chunks (0 = off) or auto")
+    parser.add_argument("--longest-context", action="store_true", help="longest fitting context per SP degree")
+    parser.add_argument("--overlap-comm", action="store_true", default=None,
+                        help="deepspeed.overlap_comm (two gradient buckets; default: DeepSpeed's, on for stage 3 only)")
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()
+    args.tiled_mlp = args.tiled_mlp if args.tiled_mlp == "auto" else int(args.tiled_mlp)
     if args.measure_saved:
         return measure(args)
+    if args.longest_context:
+        return longest_context(args)
 
     cfg = preset_config(args.preset, pe=args.pe, max_seq_len=args.seq_len)
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    names = dict(model.named_parameters())
-    total = model.num_params()
-    trainable = {
-        mode: sum(p.numel() for n, p in names.items() if is_trainable(n, mode))
-        for mode in ("all", "tape+embed+norm")
-        if mode == "all" or args.pe == "tape"
-    }
+    modes = ["all"] + (["tape+embed+norm"] if args.pe == "tape" else [])
+    counts = {mode: parameter_counts(cfg, mode) for mode in modes}
+    total = counts["all"].total
+    buffers = ZeroBuffers(overlap_comm=args.overlap_comm)
     rows = []
-    for mode, count in trainable.items():
+    for mode, count in counts.items():
         for stage, offload_opt, offload_params in [(2, False, False), (3, False, False), (2, True, False),
                                                    (3, True, True)]:
             for ckpt in (True, False):
                 est = estimate_memory(
                     cfg, seq_len=args.seq_len, micro_batch=args.micro_batch, world_size=args.world_size,
-                    zero_stage=stage, trainable_params=count, total_params=total, activation_checkpointing=ckpt,
-                    offload_optimizer=offload_opt, offload_params=offload_params, fused_loss=args.loss == "fused",
-                    lm_head_trainable=is_trainable("embed.weight" if cfg.tie_embeddings else "lm_head.weight", mode),
+                    zero_stage=stage, trainable_params=count.trainable, total_params=count.total,
+                    activation_checkpointing=ckpt, offload_optimizer=offload_opt, offload_params=offload_params,
+                    fused_loss=args.loss == "fused", lm_head_trainable=count.head_trainable,
+                    sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp, buffers=buffers,
+                    largest_trainable=count.largest_trainable,
                 )
                 name = (f"train={mode} ZeRO-{stage}{' +offload-opt' if offload_opt else ''}"
                         f"{' +offload-params' if offload_params else ''} ckpt={'on' if ckpt else 'off'}")
@@ -67,9 +84,10 @@ def main() -> int:
                 row["fits"] = est.total_gpu_gb <= args.gpu_gb * 0.9  # leave ~10% for allocator fragmentation
                 rows.append(row)
     print(f"{args.preset} pe={args.pe}: {total / 1e9:.2f}B parameters; seq {args.seq_len}, micro batch "
-          f"{args.micro_batch}, {args.world_size} GPUs of {args.gpu_gb:.0f} GB, {args.loss} loss (GiB per GPU below)")
-    header = ["setting", "weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "logits_gb", "total_gpu_gb",
-              "host_offload_gb", "fits"]
+          f"{args.micro_batch}, {args.world_size} GPUs of {args.gpu_gb:.0f} GB, {args.loss} loss, sequence parallel "
+          f"{args.sequence_parallel}, tiled MLP {args.tiled_mlp} (GiB per GPU below)")
+    header = ["setting", "weights_gb", "grads_gb", "optimizer_gb", "buffers_gb", "activations_gb", "logits_gb",
+              "context_gb", "total_gpu_gb", "host_offload_gb", "fits"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
@@ -80,6 +98,62 @@ def main() -> int:
             json.dump({"preset": args.preset, "pe": args.pe, "seq_len": args.seq_len, "loss": args.loss, "rows": rows},
                       f, indent=2)
         os.replace(tmp, args.out)
+    return 0
+
+
+RECIPE_BUFFERS = ZeroBuffers(overlap_comm=True)  # configs/llama2-7b-8k-tape.yaml's deepspeed: section
+
+
+def fits(cfg, counts, seq_len: int, n: int, tiled, args) -> float | None:
+    """The estimate's GiB per GPU at seq_len for the 8K recipe's setting, or None if it does not fit."""
+    est = estimate_memory(
+        cfg, seq_len=seq_len, micro_batch=args.micro_batch, world_size=args.world_size, zero_stage=2,
+        trainable_params=counts.trainable, total_params=counts.total, activation_checkpointing=True,
+        lm_head_trainable=counts.head_trainable, sequence_parallel=n, tiled_mlp=tiled, buffers=RECIPE_BUFFERS,
+        largest_trainable=counts.largest_trainable,
+    )
+    return est.total_gpu_gb if est.total_gpu_gb <= args.gpu_gb * 0.9 else None
+
+
+def longest(cfg, counts, n: int, tiled, args) -> tuple[int, float]:
+    """The longest multiple of 1024 (and of N) that fits: doubling, then bisection between the last two."""
+    step = 1024 * n // math.gcd(1024, n)
+    low, high = 0, step
+    while fits(cfg, counts, high, n, tiled, args) is not None and high < 2**24:
+        low, high = high, 2 * high
+    while high - low > step:
+        mid = (low + high) // 2 // step * step
+        low, high = (mid, high) if fits(cfg, counts, mid, n, tiled, args) is not None else (low, mid)
+    return low, (fits(cfg, counts, low, n, tiled, args) or 0.0) if low else 0.0
+
+
+def longest_context(args) -> int:
+    cfg = preset_config(args.preset, pe=args.pe)
+    counts = parameter_counts(cfg, "tape+embed+norm")
+    tiled = args.tiled_mlp if args.tiled_mlp else "auto"
+    rows = []
+    for n in (1, 2, 4, 8):
+        if n > args.world_size or args.world_size % n or cfg.n_heads % n:
+            continue
+        plain, plain_gb = longest(cfg, counts, n, 0, args)
+        tile, tile_gb = longest(cfg, counts, n, tiled, args)
+        rows.append({"sequence_parallel": n, "longest_context": plain, "gib_per_gpu": round(plain_gb, 2),
+                     "longest_context_tiled_mlp": tile, "gib_per_gpu_tiled_mlp": round(tile_gb, 2)})
+    print(f"{args.preset} pe={args.pe} on {args.world_size} GPUs of {args.gpu_gb:.0f} GB (fits: estimate <= 90%): "
+          f"ZeRO-2, train tape+embed+norm, activation checkpointing, micro batch {args.micro_batch}, fused loss; "
+          f"tiled MLP {tiled}")
+    print("| sequence parallel | longest context | GiB per GPU | with tiled MLP | GiB per GPU |\n|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['sequence_parallel']} | {r['longest_context']} | {r['gib_per_gpu']} | "
+              f"{r['longest_context_tiled_mlp']} | {r['gib_per_gpu_tiled_mlp']} |")
+    result = {"preset": args.preset, "pe": args.pe, "world_size": args.world_size, "gpu_gb": args.gpu_gb,
+              "zero_stage": 2, "trainable": "tape+embed+norm", "activation_checkpointing": True,
+              "micro_batch": args.micro_batch, "tiled_mlp": tiled, "fit_fraction": 0.9, "rows": rows}
+    print(json.dumps(result))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+            f.write("\n")
     return 0
 
 

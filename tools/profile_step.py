@@ -1,74 +1,47 @@
 #!/usr/bin/env python
-"""Where a training step's GPU time goes, TAPE next to its RoPE twin (torch.profiler).
+"""Where a training step's time goes, TAPE next to its RoPE twin (torch.profiler).
 
   python tools/profile_step.py --preset paper-155m --seq-len 1024 --batch 16 [--pe-list tape,rope] --out R.json
+  python tools/profile_step.py --device cpu --preset tiny --seq-len 128 --batch 4     # CPU operators, fp32
 
 Runs warm-up steps, then profiles a few optimizer steps of the plain bf16 loop that `tools/benchmark.py train`
 times, and sums device time per category of kernel: attention (fused/flash kernels), matmul (GEMMs), loss
 (softmax / cross-entropy), optimizer (AdamW, clipping, master-weight copies), elementwise (the rest: norms,
 rotations, SiLU, TAPE's state updates, copies). The JSON holds every category per PE, their difference and the
-top kernels; a Chrome trace per PE is written next to it with --trace.
+top kernels; a Chrome trace per PE is written next to it with --trace. Each kernel is counted once (its self
+time; user annotations such as torch.optim's `Optimizer.step#AdamW.step` range are not kernels): see
+tapetrain/bench/profile.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
 from tapetrain import bench
-
-CATEGORIES = (
-    ("attention", ("_fwd_kernel", "_bwd_dkdv", "_bwd_dq", "_bwd_de", "flash", "fmha", "attention", "_attn")),
-    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "wgmma", "sm90_", "sm80_", "ampere_")),
-    ("loss", ("cross_entropy", "log_softmax", "softmax", "nll_loss", "_ce_")),
-    ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "clip")),
-)
-
-
-def category(name: str) -> str:
-    low = name.lower()
-    for cat, keys in CATEGORIES:
-        if any(k in low for k in keys):
-            return cat
-    return "elementwise"
+from tapetrain.bench.profile import by_category, category, profile_steps
 
 
 def profile_pe(pe: str, args: argparse.Namespace) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    device = torch.device("cuda")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = bench.build_model(args.preset, pe, args.seq_len, backend=args.backend,
                               overrides=bench.parse_overrides(args.set), seed=0)  # fmt: skip
-    model.to(device=device, dtype=torch.bfloat16).train()
+    model.to(device=device, dtype=dtype).train()
     opt = bench.PlainOptimizer(model)
     batches = bench.random_batches(model.cfg.vocab_size, args.batch, args.seq_len, device, 2, 1)
     step = bench.plain_step(model, opt)
     for i in range(args.warmup):
         step(batches[i % 2])
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
-        start.record()
-        for i in range(args.steps):
-            step(batches[i % 2])
-        end.record()
+    if device.type == "cuda":
         torch.cuda.synchronize()
-    wall_ms = start.elapsed_time(end) / args.steps
-    per_kernel: dict[str, float] = defaultdict(float)
-    for evt in prof.key_averages():
-        dev_us = getattr(evt, "self_device_time_total", None)
-        if dev_us is None:
-            dev_us = getattr(evt, "self_cuda_time_total", 0)
-        if dev_us and evt.device_type == torch.autograd.DeviceType.CUDA:
-            per_kernel[evt.key] += dev_us / 1e3 / args.steps
-    cats: dict[str, float] = defaultdict(float)
-    for name, ms in per_kernel.items():
-        cats[category(name)] += ms
+    feed = itertools.cycle(batches[:2])
+    wall_ms, per_kernel, prof = profile_steps(lambda: step(next(feed)), args.steps, device)
     if args.trace:
         prof.export_chrome_trace(str(args.trace.with_name(f"{args.trace.stem}-{pe}.json")))
     top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[: args.top]
@@ -77,7 +50,7 @@ def profile_pe(pe: str, args: argparse.Namespace) -> dict:
     return {
         "step_ms": wall_ms,
         "device_ms": sum(per_kernel.values()),
-        "categories_ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])),
+        "categories_ms": by_category(per_kernel),
         "top_kernels_ms": [{"kernel": k[:160], "ms": v, "category": category(k)} for k, v in top],
     }
 
@@ -94,17 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="model config override")
     p.add_argument("--trace", type=Path, help="write Chrome traces as TRACE-<pe>.json")
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda: bf16 kernels' device time; cpu: fp32 operators' self time (default: cuda if present)")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a CUDA GPU")
-    result = {"device": torch.cuda.get_device_name(), "preset": args.preset, "seq_len": args.seq_len,
-              "batch": args.batch, "dtype": "bf16", "overrides": args.set, "pes": {}}  # fmt: skip
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here (use --device cpu)")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else bench.device_name(torch.device("cpu"))
+    result = {"device": name, "preset": args.preset, "seq_len": args.seq_len, "batch": args.batch,
+              "dtype": "bf16" if args.device == "cuda" else "fp32", "overrides": args.set,
+              "attribution": "self time of each kernel/operator once; user annotations excluded",
+              "pes": {}}  # fmt: skip
     for pe in args.pe_list.split(","):
         result["pes"][pe] = profile_pe(pe, args)
     pes = result["pes"]
     cats = sorted({c for r in pes.values() for c in r["categories_ms"]})
-    print(f"profile: {args.preset} T={args.seq_len} B={args.batch} bf16 on {result['device']} (ms per step)")
+    print(f"profile: {args.preset} T={args.seq_len} B={args.batch} {result['dtype']} on {result['device']} "
+          "(ms per step)")
     print(f"{'category':12s}" + "".join(f"{pe:>10s}" for pe in pes))
     for c in cats:
         print(f"{c:12s}" + "".join(f"{r['categories_ms'].get(c, 0.0):10.2f}" for r in pes.values()))

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
-from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions, time_call
+from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions
+from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS, interleaved_times, pair_ratios, spread
 from tapetrain.bench.report import format_table, pyplot, save_figure, title_suffix
-from tapetrain.model.attention import attention, backend_available, expand_heads
+from tapetrain.model.attention import attention, backend_available, expand_heads, sdpa_attention
 from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.bench")
@@ -22,8 +23,11 @@ log = logging.getLogger("tapetrain.bench")
 # Backend labels of the attention micro-benchmark. "flash" is RoPE on flash-attn; TAPE on flash-attn has two
 # exact strategies (tapetrain.kernels.flash), measured separately.
 ROPE_BACKENDS = ("sdpa", "flash")
-TAPE_BACKENDS = ("eager", "sdpa", "triton", "flash:two_calls", "flash:padded")
-ATTENTION_BACKENDS = ("eager", "sdpa", "triton", "flash", "flash:two_calls", "flash:padded")
+# "sdpa" is what the model runs (one [V ‖ E] call, or two on CPU from CPU_TWO_CALLS_FROM_KEYS keys); "sdpa:one_call"
+# and "sdpa:two_calls" force one strategy, to measure where the switch belongs.
+TAPE_BACKENDS = ("eager", "sdpa", "sdpa:one_call", "sdpa:two_calls", "triton", "flash:two_calls", "flash:padded")
+ATTENTION_BACKENDS = ("eager", "sdpa", "sdpa:one_call", "sdpa:two_calls", "triton", "flash", "flash:two_calls",
+                      "flash:padded")
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,13 @@ def _flash_strategy(strategy: str) -> Callable[..., tuple[torch.Tensor, torch.Te
         from tapetrain.kernels.flash import flash_tape_attention  # lazy: needs flash-attn
 
         return flash_tape_attention(q, k, v, e, causal=causal, strategy=strategy)
+
+    return run
+
+
+def _sdpa_strategy(calls: int) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    def run(q, k, v, e=None, *, causal=True):
+        return sdpa_attention(q, k, v, e, causal=causal, value_calls=calls)
 
     return run
 
@@ -78,8 +89,7 @@ def attention_cases(
 
     available = {"eager": True, "sdpa": True, "triton": triton_ok, "flash": flash_ok}
     candidates = [AttentionCase("rope", b, _via_dispatch(b)) for b in ROPE_BACKENDS] + [
-        AttentionCase("tape", b, _flash_strategy(b.split(":")[1]) if b.startswith("flash:") else _via_dispatch(b))
-        for b in TAPE_BACKENDS
+        AttentionCase("tape", b, _case_fn(b)) for b in TAPE_BACKENDS
     ]
 
     def wanted(label: str) -> bool:
@@ -87,6 +97,14 @@ def attention_cases(
 
     cases = [c for c in candidates if available[c.backend.split(":")[0]] and wanted(c.backend)]
     return cases, notes
+
+
+def _case_fn(label: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    if label.startswith("flash:"):
+        return _flash_strategy(label.split(":")[1])
+    if label.startswith("sdpa:"):
+        return _sdpa_strategy(1 if label == "sdpa:one_call" else 2)
+    return _via_dispatch(label)
 
 
 def attention_flops(
@@ -117,7 +135,8 @@ class AttentionSettings:
 
 
 def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict:
-    """Times every available (pe, backend) at each sequence length; timing as in the `tapetrain.bench` docstring."""
+    """Every available (pe, backend) at each sequence length, alternated call by call (tapetrain.bench.pairs):
+    `warmup` untimed rounds, then `iters` timed rounds of forward calls and `iters` of forward+backward."""
     device = pick_device(s.device)
     dtype = DTYPES[s.dtype]
     kv_heads = s.kv_heads or s.heads
@@ -131,8 +150,8 @@ def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict
         raise RuntimeError(f"no attention backend left to run on {device.type} (notes: {'; '.join(notes)})")
     gen = torch.Generator(device=device).manual_seed(s.seed)
     rows: list[dict] = []
-    bar = progress_bar(total=len(cases) * len(s.seq_lens), desc="attention", disable=not progress, leave=False)
-    for t in s.seq_lens:
+    pairs: list[dict] = []
+    for t in progress_bar(s.seq_lens, desc="attention", unit="T", disable=not progress, leave=False):
 
         def rand(heads: int, gen: torch.Generator = gen, t: int = t) -> torch.Tensor:
             x = torch.randn(s.batch, heads, t, s.head_dim, generator=gen, device=device, dtype=torch.float32)
@@ -142,34 +161,13 @@ def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict
         q, k, v, e = rand(s.heads), rand(kv_heads), rand(kv_heads), rand(s.heads)
         k_tape = expand_heads(k.detach(), s.heads).requires_grad_(True)
         grad_o = torch.randn_like(q)
-        for case in cases:
-            bar.set_postfix_str(f"T={t} {case.pe}/{case.backend}")
-            inputs = (q, k, v, None) if case.pe == "rope" else (q, k_tape, v, e)
-            row = _time_attention_case(case, inputs, grad_o, device, s, t)
-            if case.backend == "triton" and device.type != "cuda":
-                row["interpreted"] = True  # kept out of the TAPE/RoPE ratio
-            rows.append(row)
-            bar.update()
+        inputs = {c: (q, k, v, None) if c.pe == "rope" else (q, k_tape, v, e) for c in cases}
+        at_t = _time_cases(cases, inputs, grad_o, device, s, t)
+        rows += at_t
+        pairs += _pairs_at(at_t, t)
         del q, k, v, e, k_tape, grad_o
         release_memory(device)
-    bar.close()
-
-    ratios = []
-    for t in s.seq_lens:
-        best: dict[str, dict] = {}
-        for row in rows:
-            if row["seq_len"] == t and row.get("fwd_bwd_ms") is not None and not row.get("interpreted"):
-                if row["pe"] not in best or row["fwd_bwd_ms"] < best[row["pe"]]["fwd_bwd_ms"]:
-                    best[row["pe"]] = row
-        if "tape" in best and "rope" in best:
-            ratios.append(
-                {
-                    "seq_len": t,
-                    "tape_backend": best["tape"]["backend"],
-                    "rope_backend": best["rope"]["backend"],
-                    "ratio": best["tape"]["fwd_bwd_ms"] / best["rope"]["fwd_bwd_ms"],
-                }
-            )
+    ratios = [p for p in pairs if p["kind"] == "tape_over_rope"]
     return {
         "mode": "attention",
         "device": device_name(device),
@@ -182,61 +180,95 @@ def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict
         "seq_lens": list(s.seq_lens),
         "warmup": s.warmup,
         "iters": s.iters,
-        "timing": "median; CUDA events" if device.type == "cuda" else "median; perf_counter",
+        "pairs": s.iters,
+        "headline": s.iters >= MIN_HEADLINE_PAIRS,
+        "min_headline_pairs": MIN_HEADLINE_PAIRS,
+        "timing": ("cases alternated call by call, order rotated each round; median and spread over rounds; "
+                   + ("CUDA events" if device.type == "cuda" else "perf_counter")),
         "notes": notes,
         "versions": software_versions(),
         "results": rows,
         "tape_over_rope_fwd_bwd": ratios,
+        "pair_ratios": pairs,
     }
 
 
-def _time_attention_case(
-    case: AttentionCase,
-    inputs: tuple[torch.Tensor, ...],
-    grad_o: torch.Tensor,
-    device: torch.device,
-    s: AttentionSettings,
-    seq_len: int,
-) -> dict:
-    q, k, v, e = inputs
-    leaves = [x for x in (q, k, v, e) if x is not None]
-    value_dim = s.head_dim * (2 if e is not None else 1)
-    fwd_flops, bwd_flops = attention_flops(s.batch, s.heads, seq_len, s.head_dim, value_dim)
-    row: dict[str, Any] = {"seq_len": seq_len, "pe": case.pe, "backend": case.backend}
+def _time_cases(cases: list[AttentionCase], inputs: dict, grad_o: torch.Tensor, device: torch.device,
+                s: AttentionSettings, seq_len: int) -> list[dict]:  # fmt: skip
+    """One row per case; a case that fails (OOM, unsupported shape) gets an error row, the others still run."""
+    rows: dict[AttentionCase, dict[str, Any]] = {c: {"seq_len": seq_len, "pe": c.pe, "backend": c.backend}
+                                                 for c in cases}  # fmt: skip
+    forwards, both = {}, {}
+    for case in cases:
+        q, k, v, e = inputs[case]
+        leaves = [x for x in (q, k, v, e) if x is not None]
 
-    def forward() -> tuple[torch.Tensor, torch.Tensor | None]:
-        return case.fn(q, k, v, e, causal=True)  # grad mode on: the forward as it runs in training
+        def forward(case=case, q=q, k=k, v=v, e=e) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return case.fn(q, k, v, e, causal=True)  # grad mode on: the forward as it runs in training
 
-    def forward_backward() -> None:
-        out, out_e = forward()
-        outputs, grads = [out], [grad_o]
-        if out_e is not None:
-            outputs.append(out_e)
-            grads.append(grad_o)
-        torch.autograd.grad(outputs, leaves, grads)  # returns the grads; nothing accumulates in .grad
+        def forward_backward(forward=forward, leaves=leaves) -> None:
+            out, out_e = forward()
+            outputs, grads = [out], [grad_o]
+            if out_e is not None:
+                outputs.append(out_e)
+                grads.append(grad_o)
+            torch.autograd.grad(outputs, leaves, grads)  # returns the grads; nothing accumulates in .grad
 
-    try:
-        fwd = statistics.median(time_call(forward, device, s.warmup, s.iters))
+        try:  # one call each first: a case that cannot run is reported and left out of the rounds
+            forward_backward()
+        except Exception as err:  # noqa: BLE001 - one backend failing must not lose the others' results
+            message = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+            log.warning("attention %s/%s at T=%d failed: %s", case.pe, case.backend, seq_len, message)
+            rows[case]["error"] = f"{type(err).__name__}: {message}"
+            release_memory(device)
+            continue
+        forwards[case], both[case] = forward, forward_backward
+    fwd_times = interleaved_times(forwards, device, s.warmup, s.iters)
+    both_times = interleaved_times(both, device, s.warmup, s.iters)
+    for case in both:
+        q, k, v, e = inputs[case]
+        value_dim = s.head_dim * (2 if e is not None else 1)
+        fwd_flops, bwd_flops = attention_flops(s.batch, s.heads, seq_len, s.head_dim, value_dim)
+        fwd, fb = statistics.median(fwd_times[case]), statistics.median(both_times[case])
+        rows[case].update(
+            fwd_ms=fwd * 1e3,
+            fwd_bwd_ms=fb * 1e3,
+            fwd_bwd_ms_spread={k: v * 1e3 for k, v in spread(both_times[case]).items()},
+            fwd_bwd_ms_per_round=[x * 1e3 for x in both_times[case]],
+            fwd_tflops=fwd_flops / fwd / 1e12,
+            fwd_bwd_tflops=(fwd_flops + bwd_flops) / fb / 1e12,
+        )
+        if case.backend == "triton" and device.type != "cuda":
+            rows[case]["interpreted"] = True  # kept out of the TAPE/RoPE ratio
         if device.type == "cuda":
             release_memory(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-        both = statistics.median(time_call(forward_backward, device, s.warmup, s.iters))
-        if device.type == "cuda":
-            row["fwd_bwd_extra_mem_gb"] = (torch.cuda.max_memory_allocated(device) - base) / GIB
-    except Exception as err:  # one backend failing (OOM, unsupported shape) must not lose the others' results
-        message = str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-        log.warning("attention %s/%s at T=%d failed: %s", case.pe, case.backend, seq_len, message)
-        row["error"] = f"{type(err).__name__}: {message}"
-        release_memory(device)
-        return row
-    row.update(
-        fwd_ms=fwd * 1e3,
-        fwd_bwd_ms=both * 1e3,
-        fwd_tflops=fwd_flops / fwd / 1e12,
-        fwd_bwd_tflops=(fwd_flops + bwd_flops) / both / 1e12,
-    )
-    return row
+            both[case]()
+            rows[case]["fwd_bwd_extra_mem_gb"] = (torch.cuda.max_memory_allocated(device) - base) / GIB
+    return list(rows.values())
+
+
+def _pairs_at(rows: list[dict], seq_len: int) -> list[dict]:
+    """Per-round ratios at one length: TAPE's best backend over RoPE's best (by median), and TAPE's two SDPA
+    strategies against each other when both ran."""
+    timed = [r for r in rows if r.get("fwd_bwd_ms") is not None and not r.get("interpreted")]
+    best: dict[str, dict] = {}
+    for row in timed:
+        if row["pe"] not in best or row["fwd_bwd_ms"] < best[row["pe"]]["fwd_bwd_ms"]:
+            best[row["pe"]] = row
+    out = []
+    if "tape" in best and "rope" in best:
+        ratio = pair_ratios(best["tape"]["fwd_bwd_ms_per_round"], best["rope"]["fwd_bwd_ms_per_round"])
+        out.append({"kind": "tape_over_rope", "seq_len": seq_len, "tape_backend": best["tape"]["backend"],
+                    "rope_backend": best["rope"]["backend"], "ratio": ratio["median"], "spread": ratio})  # fmt: skip
+    by_backend = {r["backend"]: r for r in timed if r["pe"] == "tape"}
+    if "sdpa:two_calls" in by_backend and "sdpa:one_call" in by_backend:
+        ratio = pair_ratios(by_backend["sdpa:two_calls"]["fwd_bwd_ms_per_round"],
+                            by_backend["sdpa:one_call"]["fwd_bwd_ms_per_round"])  # fmt: skip
+        out.append({"kind": "sdpa_two_calls_over_one_call", "seq_len": seq_len, "ratio": ratio["median"],
+                    "spread": ratio})  # fmt: skip
+    return out
 
 
 def attention_report(result: dict) -> str:
@@ -252,18 +284,26 @@ def attention_report(result: dict) -> str:
         rows.append(row + ([r.get("fwd_bwd_extra_mem_gb")] if on_cuda else []))
     lines = [
         f"attention: {result['device']}, {result['dtype']}, batch {result['batch']}, heads {result['heads']} "
-        f"(kv {result['kv_heads']}), head_dim {result['head_dim']}, causal; median of {result['iters']} "
-        f"after {result['warmup']} warmup",
+        f"(kv {result['kv_heads']}), head_dim {result['head_dim']}, causal; median of {result['iters']} rounds "
+        f"(cases alternated) after {result['warmup']} warmup",
         format_table(headers, rows),
     ]
     errors = [r for r in result["results"] if "error" in r]
     lines += [f"  failed: T={r['seq_len']} {r['pe']}/{r['backend']}: {r['error']}" for r in errors]
     if result["tape_over_rope_fwd_bwd"]:
-        lines.append("TAPE / RoPE fwd+bwd time (best backend each; target ≤ 1.5):")
+        lines.append("TAPE / RoPE fwd+bwd time, per-round ratio (best backend each; target ≤ 1.5):")
         lines += [
-            f"  T={r['seq_len']}: {r['ratio']:.2f}  (tape {r['tape_backend']} vs rope {r['rope_backend']})"
+            f"  T={r['seq_len']}: {r['ratio']:.2f} (IQR {r['spread']['q1']:.2f}–{r['spread']['q3']:.2f}, "
+            f"{r['spread']['pairs']} pairs)  (tape {r['tape_backend']} vs rope {r['rope_backend']})"
             for r in result["tape_over_rope_fwd_bwd"]
         ]
+    split = [p for p in result.get("pair_ratios", []) if p["kind"] == "sdpa_two_calls_over_one_call"]
+    if split:
+        lines.append("TAPE on SDPA, two calls (V, E) / one [V ‖ E] call, fwd+bwd per-round ratio:")
+        lines += [f"  T={p['seq_len']}: {p['ratio']:.2f} (IQR {p['spread']['q1']:.2f}–{p['spread']['q3']:.2f}, "
+                  f"{p['spread']['pairs']} pairs)" for p in split]  # fmt: skip
+    if not result.get("headline", True):
+        lines.append(f"not a headline: fewer than {result['min_headline_pairs']} pairs (--iters)")
     lines += [f"note: {n}" for n in result["notes"]]
     return "\n".join(lines)
 

@@ -106,11 +106,13 @@ class PeakMemory:
         self.gb: float | None = None
         self.kind = "cuda_max_allocated" if device.type == "cuda" else "host_rss_delta"
         self._base_kib: int | None = None
+        self._base_bytes = 0
 
     def __enter__(self) -> PeakMemory:
         release_memory(self.device)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
+            self._base_bytes = torch.cuda.memory_allocated(self.device)  # another variant may still be resident
         else:
             try:
                 Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux ≥ 4.0)
@@ -121,7 +123,25 @@ class PeakMemory:
 
     def __exit__(self, *exc: object) -> None:
         if self.device.type == "cuda":
-            self.gb = torch.cuda.max_memory_allocated(self.device) / GIB
+            self.gb = (torch.cuda.max_memory_allocated(self.device) - self._base_bytes) / GIB
         elif self._base_kib is not None:
             peak = _proc_status_kib("VmHWM")
             self.gb = (peak - self._base_kib) / 2**20 if peak is not None else None
+
+
+def forget_attention_choices() -> None:
+    """Start a measurement with an empty log of attention-backend choices (see attention_backends_ran)."""
+    from tapetrain.model import attention
+
+    attention._logged_choices.clear()
+
+
+def attention_backends_ran(device: torch.device) -> dict[str, Any]:
+    """What attention actually ran since forget_attention_choices(): the backends `auto` resolved to (e.g. cuDNN
+    SDPA or Triton on Hopper) and, on CPU, from how many keys SDPA splits TAPE's values into two calls."""
+    from tapetrain.model import attention
+
+    ran: dict[str, Any] = {"backends": sorted({key[1] for key in attention._logged_choices})}
+    if device.type == "cpu":
+        ran["cpu_sdpa_two_calls_from_keys"] = attention.CPU_TWO_CALLS_FROM_KEYS
+    return ran

@@ -5,6 +5,10 @@ Steps (all in a temp dir unless `workdir`): generate a synthetic corpus (Zipf-di
 are identical), then write a synthetic `reader_tokens` token dataset and time BatchIterator over it for `seconds`
 per sequence length. Reader figures are tokens (seq_len per sample) per second in one process, with the shards in
 the page cache.
+
+With `remote_latency_ms` the same synthetic dataset (in smaller shards) is also served over HTTP on 127.0.0.1 with
+that latency added to every request (tapetrain.bench.shard_server) and read as a URL through the shard cache: cold
+(an empty cache: every shard fetched while reading, with the background prefetch) and warm (the same cache again).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class DataSettings:
     seq_lens: list[int] = field(default_factory=lambda: [512, 2048, 8192])
     micro_batch: int = 8
     seconds: float = 4.0
+    remote_latency_ms: float | None = None  # also time the reader over HTTP with this latency per request
+    remote_shard_tokens: int = 1 << 20
 
 
 def make_corpus(path: str, megabytes: float, seed: int = 0) -> int:
@@ -87,6 +93,43 @@ def bench_reader(path: str, seq_len: int, micro_batch: int, seconds: float) -> d
             "tokens_per_s": samples_per_s * seq_len, "samples_per_s": samples_per_s}
 
 
+def bench_remote_reader(root: str, name: str, seq_len: int, micro_batch: int, seconds: float,
+                        latency_ms: float) -> list[dict]:
+    """Reader throughput from http://127.0.0.1 (+latency per request) through the shard cache: cold, then warm."""
+    from tapetrain.bench.shard_server import ShardServer
+    from tapetrain.data.cache import STATS, ShardCache
+    from tapetrain.data.stream import BatchIterator, PackedDataset
+
+    cache_dir = tempfile.mkdtemp(prefix="bench_cache_")
+    rows = []
+    try:
+        with ShardServer(root, latency_s=latency_ms / 1e3) as server:
+            for cache_state in ("cold", "warm"):
+                before = STATS.snapshot()
+                t0 = time.perf_counter()
+                ds = PackedDataset(f"{server.url}/{name}", seq_len, cache=ShardCache(cache_dir, None))
+                it = BatchIterator(ds, global_batch_size=micro_batch * 8, micro_batch_size=micro_batch, seed=0)
+                open_s = time.perf_counter() - t0
+                it.next_micro_batch()
+                first_batch_s = time.perf_counter() - t0
+                batches, t0 = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - t0) < seconds:
+                    for _ in range(16):
+                        it.next_micro_batch()
+                    batches += 16
+                ds.close()
+                after = STATS.snapshot()
+                samples_per_s = batches * micro_batch / elapsed
+                rows.append({"cache": cache_state, "seq_len": seq_len, "latency_ms": latency_ms, "open_s": open_s,
+                             "first_batch_s": first_batch_s, "tokens_per_s": samples_per_s * seq_len,
+                             "samples_per_s": samples_per_s, "shards": len(ds.shards),
+                             "fetched_mb": (after["data_fetched_bytes"] - before["data_fetched_bytes"]) / 1e6,
+                             "requests": len(server.requests)})
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    return rows
+
+
 def _same_files(a: str, b: str, shards: list[dict]) -> bool:
     def read(root: str, name: str) -> bytes:
         with open(os.path.join(root, name), "rb") as f:
@@ -124,6 +167,11 @@ def run_data_benchmark(s: DataSettings) -> dict:
         synth = os.path.join(work, "synthetic")
         write_synthetic_dataset(synth, manifest, s.reader_tokens, shard_tokens=s.reader_tokens // 4 + 1)
         result["reader"] = [bench_reader(synth, n, s.micro_batch, s.seconds) for n in s.seq_lens]
+        if s.remote_latency_ms is not None:
+            small = os.path.join(work, "remote", "synthetic")
+            write_synthetic_dataset(small, manifest, s.reader_tokens, shard_tokens=s.remote_shard_tokens)
+            result["remote_reader"] = [row for n in s.seq_lens for row in bench_remote_reader(
+                os.path.join(work, "remote"), "synthetic", n, s.micro_batch, s.seconds, s.remote_latency_ms)]
     finally:
         if not s.workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -137,6 +185,19 @@ def data_report(r: dict) -> str:
     reader = format_table(
         ["seq_len", "open s", "M tok/s", "samples/s"],
         [[x["seq_len"], x["open_s"], x["tokens_per_s"] / 1e6, x["samples_per_s"]] for x in r["reader"]])
+    text = _prepare_and_reader(r, prepare, reader)
+    if r.get("remote_reader"):
+        rows = r["remote_reader"]
+        table = format_table(
+            ["seq_len", "cache", "open s", "1st batch s", "M tok/s", "samples/s", "MB fetched"],
+            [[x["seq_len"], x["cache"], x["open_s"], x["first_batch_s"], x["tokens_per_s"] / 1e6,
+              x["samples_per_s"], x["fetched_mb"]] for x in rows])
+        text += (f"\nremote reader (http://127.0.0.1 + {rows[0]['latency_ms']:g} ms per request, {rows[0]['shards']} "
+                 f"shards, through the shard cache)\n{table}")
+    return text
+
+
+def _prepare_and_reader(r: dict, prepare: str, reader: str) -> str:
     return (f"prepare ({r['corpus_mb']:g} MB JSONL, {r['documents']} docs, vocab {r['vocab']}; tokenizer trained in "
             f"{r['tokenizer_train_s']:.1f}s; identical shards: {r['prepare_identical_1_vs_2_workers']})\n{prepare}\n"
             f"reader (BatchIterator, 1 process, {r['reader_tokens'] / 2**20:.1f} Mi tokens, micro batch "

@@ -155,6 +155,31 @@ def timed_steps(
     return times, float(loss.detach().float())
 
 
+def interleaved_steps(
+    steps: dict[str, Callable[[torch.Tensor], Any]],
+    batches: list[torch.Tensor],
+    device: torch.device,
+    rounds: int,
+    progress: bool = True,
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """`rounds` timed rounds, each running every variant's optimizer step once on the same batch, the order
+    rotated by the round -> ({variant: seconds per round}, {variant: last loss}). Warm each variant up first."""
+    from tapetrain.bench.pairs import rotated
+
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    losses: dict[str, float] = {}
+    for r in progress_bar(range(rounds), desc="rounds", unit="round", disable=not progress, leave=False):
+        batch = batches[r % len(batches)]
+        for name in rotated(list(steps), r):
+            synchronize(device)
+            t0 = time.perf_counter()
+            loss = steps[name](batch)
+            synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+            losses[name] = float(loss)  # a 0-dim tensor or a float
+    return times, losses
+
+
 def plain_step(model: torch.nn.Module, opt: PlainOptimizer) -> Callable[[torch.Tensor], torch.Tensor]:
     """One optimizer step of the plain PyTorch loop: `step(ids) -> loss`, inputs ids[:, :-1], labels ids[:, 1:]."""
 

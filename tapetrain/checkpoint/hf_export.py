@@ -1,7 +1,8 @@
 """Export a trained tapetrain model to Hugging Face format, verified by reloading it with transformers.
 
-RoPE models become a plain `LlamaForCausalLM` checkpoint (linear PI as `rope_parameters` linear scaling); every
-other PE ships the self-contained remote code in hf_modeling/ registered via `auto_map` (trust_remote_code=True).
+RoPE models become a plain checkpoint of their family's own class (LlamaForCausalLM, MistralForCausalLM,
+Qwen2ForCausalLM, Qwen3ForCausalLM) with their RoPE scaling as `rope_parameters` (PI as linear scaling); every other
+PE ships the self-contained remote code in hf_modeling/ registered via `auto_map` (trust_remote_code=True).
 Everything is written to OUT.tmp and renamed to OUT only after the reloaded model's logits match tapetrain's.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tapetrain.checkpoint.hf_families import HF_CLASSES, hf_rope_parameters
 from tapetrain.checkpoint.hf_keys import to_hf_state_dict
 from tapetrain.checkpoint.hf_modeling import AUTO_MAP, HERE, MODELING_FILES
 from tapetrain.errors import InputError, MissingInputError
@@ -51,7 +53,8 @@ def uses_remote_code(cfg: ModelConfig) -> bool:
 
 
 def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None):
-    """The transformers config object: LlamaConfig for rope, TapetrainConfig (+ auto_map) otherwise."""
+    """The transformers config object: the family's own config class for rope, TapetrainConfig (+ auto_map)
+    otherwise."""
     if not cfg.causal:
         raise InputError("model.causal=false models (equivariance tests only) cannot be exported as causal LMs")
     common = dict(
@@ -61,6 +64,7 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         num_hidden_layers=cfg.n_layers,
         num_attention_heads=cfg.n_heads,
         num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
         max_position_embeddings=cfg.max_seq_len,
         rms_norm_eps=cfg.norm_eps,
         initializer_range=cfg.init_std,
@@ -69,20 +73,25 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
         eos_token_id=eos_id,
     )
     if not uses_remote_code(cfg):
-        from transformers import LlamaConfig
+        import transformers
 
-        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-        if cfg.pi_factor != 1.0:
-            rope = {"rope_type": "linear", "factor": cfg.pi_factor, "rope_theta": cfg.rope_theta}
-        config = LlamaConfig(rope_parameters=rope, **common)
-        config.architectures = ["LlamaForCausalLM"]
+        config_class, model_class = HF_CLASSES[cfg.family]
+        rope, common["max_position_embeddings"] = hf_rope_parameters(cfg)
+        # Attention over the whole context, as tapetrain's (an imported window was checked against the length).
+        family_fields = {"mistral": dict(sliding_window=None), "qwen2": dict(use_sliding_window=False),
+                         "qwen3": dict(use_sliding_window=False, attention_bias=False),
+                         "llama": dict(attention_bias=False, mlp_bias=False)}[cfg.family]
+        config = getattr(transformers, config_class)(rope_parameters=rope, **family_fields, **common)
+        config.architectures = [model_class]
     else:
         from tapetrain.checkpoint.hf_modeling.configuration_tapetrain import TapetrainConfig
 
         config = TapetrainConfig(
             pe=cfg.pe,
+            family=cfg.family,
             rope_theta=cfg.rope_theta,
             pi_factor=cfg.pi_factor,
+            rotary_scaling=cfg.rope_scaling.as_dict() if cfg.rope_scaling is not None else None,
             tape_attn_update=cfg.tape_attn_update,
             tape_mlp_update=cfg.tape_mlp_update,
             tape_channels=cfg.tape_dim,

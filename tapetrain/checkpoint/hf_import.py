@@ -1,7 +1,8 @@
-"""Import a Hugging Face Llama checkpoint into tapetrain's Transformer, with any positional encoding.
+"""Import a Hugging Face checkpoint (Llama-2/3.x, Mistral, Qwen2/2.5, Qwen3; hf_families.py) into tapetrain's
+Transformer, with any positional encoding.
 
-`load_hf_llama(dir, pe="tape")` is the Llama-2 retrofit: the Llama weights load by the key table, TAPE's own
-parameters keep their init (W_A = W_down = 0), so the TAPE model reproduces the original logits at step 0.
+`load_hf_llama(dir, pe="tape")` is the TAPE retrofit: the weights load by the key table, TAPE's own parameters keep
+their init (W_A = W_down = 0), so the TAPE model reproduces the original logits at step 0, RoPE scaling included.
 """
 
 from __future__ import annotations
@@ -13,9 +14,12 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from tapetrain.checkpoint.hf_families import config_from_hf
 from tapetrain.checkpoint.hf_keys import IGNORED_HF_KEYS, from_hf_key
 from tapetrain.errors import InputError, MissingInputError
-from tapetrain.model import ModelConfig, Transformer
+from tapetrain.model import Transformer
+
+__all__ = ["config_from_hf", "copy_hf_weights", "copy_named_weights", "load_hf_llama", "read_hf_config"]
 
 log = logging.getLogger("tapetrain.checkpoint")
 
@@ -25,60 +29,6 @@ WEIGHT_FILES = (  # in order of preference; an index names the shards
     "pytorch_model.bin.index.json",
     "pytorch_model.bin",
 )
-
-
-def _rope_settings(hf: dict) -> tuple[float, float]:
-    """(rope_theta, pi_factor) from config.json: transformers 5 nests them in `rope_parameters`, 4.x uses
-    `rope_theta` + `rope_scaling`."""
-    params = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling") or {}
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return theta, 1.0
-    if kind == "linear":
-        return theta, float(params.get("factor", scaling.get("factor", 1.0)))
-    raise InputError(
-        f"config.json rope scaling type {kind!r} is not supported (tapetrain has linear interpolation only); "
-        "convert from a checkpoint with default or linear RoPE scaling"
-    )
-
-
-def config_from_hf(hf: dict, pe: str = "rope", **model_overrides) -> ModelConfig:
-    """A ModelConfig for a Hugging Face Llama config.json dict; `model_overrides` are ModelConfig fields."""
-    model_type = hf.get("model_type")
-    if model_type not in ("llama", "tapetrain"):
-        raise InputError(f"config.json has model_type={model_type!r}; only Llama checkpoints (model_type 'llama') "
-                         "and tapetrain exports (model_type 'tapetrain') can be imported")
-    for key, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
-        if hf.get(key, ok) != ok:
-            raise InputError(f"config.json {key}={hf[key]!r} is not supported (tapetrain's decoder has {key}={ok!r})")
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    if head_dim * heads != hf["hidden_size"]:
-        raise InputError(f"config.json head_dim={head_dim} with {heads} heads != hidden_size={hf['hidden_size']}; "
-                         "tapetrain needs head_dim = hidden_size / num_attention_heads")
-    kv_heads = hf.get("num_key_value_heads") or heads
-    if model_type == "tapetrain":  # our own remote-code export (`tapetrain export hf` of a non-RoPE model)
-        theta, pi_factor = float(hf.get("rope_theta", 10000.0)), float(hf.get("pi_factor", 1.0))
-    else:
-        theta, pi_factor = _rope_settings(hf)
-    values = dict(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"],
-        n_heads=heads,
-        n_kv_heads=None if kv_heads == heads else kv_heads,
-        ffn_hidden=hf["intermediate_size"],
-        max_seq_len=hf.get("max_position_embeddings", 2048),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta,
-        pi_factor=pi_factor,
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        pe=pe,
-    )
-    values.update(model_overrides)
-    return ModelConfig.from_dict(values)
 
 
 def find_weight_files(hf_dir: str) -> list[str]:
@@ -119,7 +69,7 @@ def iter_weights(files: list[str], progress: bool = False) -> Iterator[tuple[str
 def read_hf_config(hf_dir: str) -> dict:
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
-        raise MissingInputError(f"{config_path} does not exist; model.init_from must be a Hugging Face Llama "
+        raise MissingInputError(f"{config_path} does not exist; model.init_from must be a Hugging Face "
                                 "checkpoint directory (config.json + safetensors or .bin weights)")
     with open(config_path) as f:
         return json.load(f)
@@ -129,7 +79,7 @@ def copy_hf_weights(
     model: Transformer, hf_dir: str, copy: Callable[[torch.nn.Parameter, torch.Tensor], None] | None = None,
     progress: bool = False,
 ) -> int:
-    """Stream a Llama checkpoint's tensors (one at a time) into `model` by the key table; returns how many.
+    """Stream a checkpoint's tensors (one at a time) into `model` by the key table; returns how many.
 
     `copy(param, tensor)` does the assignment (default: param.copy_); ZeRO-3 passes one that gathers the
     partitioned parameter first, so `param.shape` is checked against `ds_shape` when present. Missing,
@@ -187,8 +137,8 @@ def copy_named_weights(
 
 
 def load_hf_llama(hf_dir: str, pe: str = "rope", **model_overrides) -> Transformer:
-    """A Transformer (fp32, eval mode) holding a Hugging Face Llama checkpoint's weights; `pe` picks the
-    positional encoding (TAPE/FIRE parameters keep their init)."""
+    """A Transformer (fp32, eval mode) holding a Hugging Face checkpoint's weights (any family of
+    hf_families.py); `pe` picks the positional encoding (TAPE/FIRE parameters keep their init)."""
     cfg = config_from_hf(read_hf_config(hf_dir), pe, **model_overrides)
     model = Transformer(cfg)
     copy_hf_weights(model, hf_dir)

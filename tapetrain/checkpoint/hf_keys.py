@@ -1,6 +1,7 @@
 """The key table between tapetrain parameter names and Hugging Face names, as data, usable in both directions.
 
-The shared (Llama) part maps onto `LlamaForCausalLM`; the positional extras (TAPE's head mix and MLP update, FIRE's
+The shared part maps onto transformers' `LlamaForCausalLM` (and `MistralForCausalLM`; Qwen2's q/k/v biases and
+Qwen3's q/k norms are the extra rows); the positional extras (TAPE's head mix and MLP update, FIRE's
 bias MLP) keep a `model.`-prefixed name in the remote-code model (`hf_modeling/modeling_tapetrain.py`). Our
 rotate-half pairing is Llama's, so q/k weights need no permutation.
 
@@ -17,6 +18,8 @@ from functools import cache
 PLACEHOLDERS: dict[str, str] = {
     "layer": r"\d+",
     "attn_proj": r"q_proj|k_proj|v_proj|o_proj",
+    "qkv_proj": r"q_proj|k_proj|v_proj",
+    "qk_norm": r"q_norm|k_norm",
     "mlp_proj": r"gate_proj|up_proj|down_proj",
     "tape_proj": r"x_proj|up_proj|down_proj",
     "fire_param": r"mlp\.\d+\.weight|mlp\.\d+\.bias|c|threshold_scale",
@@ -27,6 +30,8 @@ KEY_TABLE: list[tuple[str, str]] = [
     ("embed.weight", "model.embed_tokens.weight"),
     ("layers.{layer}.attn_norm.weight", "model.layers.{layer}.input_layernorm.weight"),
     ("layers.{layer}.attn.{attn_proj}.weight", "model.layers.{layer}.self_attn.{attn_proj}.weight"),
+    ("layers.{layer}.attn.{qkv_proj}.bias", "model.layers.{layer}.self_attn.{qkv_proj}.bias"),  # Qwen2
+    ("layers.{layer}.attn.{qk_norm}.weight", "model.layers.{layer}.self_attn.{qk_norm}.weight"),  # Qwen3
     ("layers.{layer}.mlp_norm.weight", "model.layers.{layer}.post_attention_layernorm.weight"),
     ("layers.{layer}.mlp.{mlp_proj}.weight", "model.layers.{layer}.mlp.{mlp_proj}.weight"),
     ("norm.weight", "model.norm.weight"),

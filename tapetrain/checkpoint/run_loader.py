@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from tapetrain.checkpoint import manifest
 from tapetrain.checkpoint.store import CHECKPOINTS, STATE_FILE, complete_checkpoints
 from tapetrain.errors import InputError, MissingInputError
 from tapetrain.model import ModelConfig, Transformer
@@ -29,8 +30,24 @@ _STEP_DIR = re.compile(r"^step_\d{8}")  # a checkpoint tag directory (complete o
 _LORA_A = re.compile(r"^(?P<module>.+)\.lora_A(?:\.(?P<adapter>[^.]+))?(?:\.weight)?$")
 
 
-def resolve_checkpoint(run_dir_or_ckpt: str, step: int | None = None) -> tuple[Path, Path | None]:
-    """(checkpoint directory, run directory or None) for a run directory (+ optional step) or a checkpoint dir."""
+def resolve_checkpoint(run_dir_or_ckpt: str, step: int | None = None, *, verify: bool = True,
+                       ) -> tuple[Path, Path | None]:
+    """(checkpoint directory, run directory or None) for a run directory (+ optional step) or a checkpoint dir,
+    verified against its manifest (sizes, then checksums: ~0.25 s/GiB) before anything reads it; `verify=False`
+    only locates it (for callers that name it and load it later)."""
+    ckpt, run_dir = _locate_checkpoint(run_dir_or_ckpt, step)
+    if not verify:
+        return ckpt, run_dir
+    defect = manifest.find_defect(ckpt)
+    if defect is not None and defect.kind == "damaged":
+        intact = [] if run_dir is None else [s for s, c in complete_checkpoints(run_dir) if c != ckpt]
+        others = f"; other complete checkpoints: --step {', '.join(map(str, intact))}" if intact else ""
+        raise InputError(f"checkpoint {ckpt} is damaged: {defect.detail}. Nothing was read from it{others} "
+                         f"(tapetrain data verify {run_dir or ckpt} checks them all)")
+    return ckpt, run_dir
+
+
+def _locate_checkpoint(run_dir_or_ckpt: str, step: int | None) -> tuple[Path, Path | None]:
     path = Path(run_dir_or_ckpt)
     if not path.exists():
         raise MissingInputError(f"{path} does not exist; pass a run directory (with {CHECKPOINTS}/) or a checkpoint "
@@ -160,15 +177,17 @@ def _tokenizer_path(run_config: dict | None, run_dir: Path | None) -> str | None
 
 
 def load_run_model(
-    run_dir_or_ckpt: str, step: int | None = None, *, attn_backend: str | None = "auto"
+    run_dir_or_ckpt: str, step: int | None = None, *, attn_backend: str | None = "auto", compile: bool | None = None
 ) -> tuple[Transformer, dict]:
     """(Transformer in eval mode, info) for the newest complete checkpoint of a run (or `step`, or the
     checkpoint directory given). `attn_backend` replaces the trained one ("flash"/"triton" may not exist here;
-    None keeps it). info: run_dir, checkpoint, step, trainer_state, model_config, run_config, tokenizer, source,
-    lora_merged."""
+    None keeps it), `compile` the trained model.compile (None keeps it). info: run_dir, checkpoint, step,
+    trainer_state, model_config, run_config, tokenizer, source, lora_merged."""
     cfg, state, info = read_run_state(run_dir_or_ckpt, step)
     if attn_backend is not None:
         cfg.attn_backend = attn_backend
+    if compile is not None:
+        cfg.compile = compile
     cfg.activation_checkpointing = False
     if cfg.loss_backend == "liger":
         cfg.loss_backend = "auto"  # liger-kernel (CUDA only) may not be installed here; auto picks it where it is
@@ -181,13 +200,13 @@ def load_run_model(
 
 def read_run_model_config(run_dir_or_ckpt: str, step: int | None = None) -> ModelConfig:
     """The trained ModelConfig of a run's newest complete checkpoint (or `step`), without reading weights."""
-    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step)
+    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step, verify=False)
     return _model_config(ckpt, _read_run_config(run_dir, ckpt))
 
 
 def run_tokenizer(run_dir_or_ckpt: str, step: int | None = None) -> str | None:
     """The sentencepiece model a run was trained with (its config's data.tokenizer), without reading weights."""
-    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step)
+    ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step, verify=False)
     return _tokenizer_path(_read_run_config(run_dir, ckpt), run_dir)
 
 

@@ -1,9 +1,11 @@
 """Checkpoint directories: atomic save, discovery of the newest complete one, keep-last-K, RNG state.
 
 Layout: RUN_DIR/checkpoints/step_XXXXXXXX/ holds DeepSpeed's files for that tag, rng_rankNNNNN.pt per rank,
-model_config.json and, written last, trainer_state.json. Everything is first written under
-step_XXXXXXXX.tmp/ and renamed by rank 0 after every rank has finished, so a process killed mid-save leaves only a
-.tmp directory, which is never resumed from and is removed at the next start. Assumes the run directory is on a
+model_config.json, trainer_state.json and, written last, manifest.json (every file's size and checksum:
+tapetrain.checkpoint.manifest, hashed off the training thread: tapetrain.checkpoint.completion). Everything is
+first written under step_XXXXXXXX.tmp/ and renamed by rank 0 once every rank has hashed its share, so a process
+killed mid-save (or while hashing) leaves only a .tmp directory, which is never resumed from and is removed at the
+next start. Assumes the run directory is on a
 filesystem shared by all nodes (as DeepSpeed's own checkpointing does).
 """
 
@@ -22,7 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from tapetrain.checkpoint import disk
+from tapetrain.checkpoint import disk, manifest
+from tapetrain.checkpoint.completion import Completion, PendingCheckpoint
 from tapetrain.distributed import DistEnv, barrier
 
 if TYPE_CHECKING:
@@ -31,7 +34,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tapetrain.checkpoint")
 
 CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
+STATE_FILE = manifest.STATE_FILE
+DAMAGED_SUFFIX = ".damaged"
 _TAG = re.compile(r"^step_(\d{8})$")
 
 
@@ -76,15 +80,6 @@ def remove_incomplete(run_dir: Path) -> None:
             child.unlink()
 
 
-def _write_json_atomic(path: Path, payload: dict) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(payload, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -102,15 +97,18 @@ def restore_rng(state: dict) -> None:
 
 def save_checkpoint(
     engine: DeepSpeedEngine, run_dir: Path, step: int, trainer_state: dict, model_config: dict, env: DistEnv,
-    keep_last: int | None, run_config_yaml: str | None = None,
-) -> Path:
-    """Collective: every rank calls it. Returns the final checkpoint directory.
+    keep_last: int | None, run_config_yaml: str | None = None, hash_timeout_s: float = 1800.0,
+) -> PendingCheckpoint:
+    """Collective: every rank calls it. Writes the checkpoint's files into step_XXXXXXXX.tmp/ on the training
+    thread, then leaves hashing them for the manifest, the rename to complete and the pruning to a background
+    thread per rank (tapetrain.checkpoint.completion); join the returned PendingCheckpoint before the next save.
 
     `run_config_yaml` (the resolved run config that produced this checkpoint) is stored next to it as config.yaml.
+    `hash_timeout_s`: how long rank 0's thread waits for the other ranks' shares of the hashing.
     """
     root = Path(run_dir) / CHECKPOINTS
     tag = step_tag(step)
-    tmp_tag = tag + ".tmp"
+    tmp = root / (tag + ".tmp")
     started = time.perf_counter()
     if env.is_main:
         log.info("saving checkpoint of step %d to %s ...", step, root / tag)
@@ -123,27 +121,54 @@ def save_checkpoint(
     # Pure data parallelism needs no tensor-parallel merge patterns: the version alone lets DeepSpeed convert the
     # checkpoint to its universal format when resuming on another number of ranks.
     client_state = {UNIVERSAL_CHECKPOINT_INFO: {UNIVERSAL_CHECKPOINT_VERSION_KEY: UNIVERSAL_CHECKPOINT_VERSION_VALUE}}
-    engine.save_checkpoint(str(root), tag=tmp_tag, client_state=client_state, save_latest=False)
-    torch.save(rng_state(), root / tmp_tag / f"rng_rank{env.rank:05d}.pt")
+    engine.save_checkpoint(str(root), tag=tmp.name, client_state=client_state, save_latest=False)
+    torch.save(rng_state(), tmp / f"rng_rank{env.rank:05d}.pt")
     barrier()
-    final = root / tag
     if env.is_main:
-        tmp = root / tmp_tag
-        _write_json_atomic(tmp / "model_config.json", model_config)
+        manifest.write_json_atomic(tmp / "model_config.json", model_config, indent=2)
         if run_config_yaml is not None:
             (tmp / "config.yaml").write_text(run_config_yaml)
-        _write_json_atomic(tmp / STATE_FILE, trainer_state)  # last: marks the directory complete
-        if final.exists():  # re-saving a step (e.g. SIGTERM right after a periodic save)
-            final.rename(root / (tag + ".old"))
-            shutil.rmtree(root / (tag + ".old"))
-        os.replace(tmp, final)
-        if keep_last:
-            for _, old in complete_checkpoints(run_dir)[:-keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
-        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-        log.info("saved checkpoint %s (%s in %.1f s)", final, disk.human(size), time.perf_counter() - started)
-    barrier()
-    return final
+        manifest.write_json_atomic(tmp / STATE_FILE, {**trainer_state, "manifest": manifest.MANIFEST}, indent=2)
+    barrier()  # every file is written: the ranks now hash them off the training thread
+    publish = (lambda: _publish(tmp, root / tag, run_dir, keep_last, started)) if env.is_main else None
+    pending = PendingCheckpoint(Completion(tmp, step, env.rank, env.world_size, hash_timeout_s, publish))
+    if env.is_main:
+        log.info("wrote the files of step %d in %.1f s; hashing them for the manifest in the background", step,
+                 time.perf_counter() - started)
+    return pending
+
+
+def _publish(tmp: Path, final: Path, run_dir: Path, keep_last: int | None, started: float) -> None:
+    """Rank 0, once manifest.json is written: rename the .tmp directory complete, then prune to keep_last."""
+    root = final.parent
+    if final.exists():  # re-saving a step (e.g. SIGTERM right after a periodic save)
+        old = root / (final.name + ".old")
+        final.rename(old)
+        shutil.rmtree(old)
+    os.replace(tmp, final)
+    if keep_last:
+        for _, old in complete_checkpoints(run_dir)[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+    log.info("saved checkpoint %s (%s in %.1f s)", final, disk.human(size), time.perf_counter() - started)
+
+
+def step_directories(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every step_XXXXXXXX directory, complete or not (.tmp/.damaged excluded), newest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), child) for child in root.iterdir() if (m := _TAG.match(child.name)) and child.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def set_aside(checkpoint: Path) -> Path:
+    """Rename a damaged or incomplete checkpoint to step_XXXXXXXX.damaged (kept for inspection, never resumed,
+    exported or counted by keep_last; a later save of the same step no longer meets it)."""
+    target = checkpoint.with_name(checkpoint.name + DAMAGED_SUFFIX)
+    shutil.rmtree(target, ignore_errors=True)
+    checkpoint.rename(target)
+    return target
 
 
 def read_trainer_state(checkpoint: Path) -> dict:

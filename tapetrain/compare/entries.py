@@ -46,7 +46,7 @@ class ModelRun:
         if self.kind == "run":
             from tapetrain.checkpoint.run_loader import resolve_checkpoint
 
-            ckpt, _ = resolve_checkpoint(self.path)
+            ckpt, _ = resolve_checkpoint(self.path, verify=False)
             state = ckpt / "trainer_state.json"
             return {"kind": "run", "checkpoint": str(ckpt.resolve()), "trainer_state": _stamp(state)}
         root = Path(self.path).resolve()

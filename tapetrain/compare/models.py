@@ -56,7 +56,7 @@ class ModelHandle:
         from tapetrain.checkpoint.run_loader import resolve_checkpoint
 
         out = Path(self.out_dir) / EXPORTS_DIR / self.run.key
-        ckpt, _ = resolve_checkpoint(self.run.path)
+        ckpt, _ = resolve_checkpoint(self.run.path, verify=False)
         info = out / "tapetrain_export.json"
         if info.is_file() and Path(json.loads(info.read_text()).get("checkpoint", "")).resolve() == ckpt.resolve():
             return str(out)

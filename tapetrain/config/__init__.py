@@ -9,6 +9,7 @@ from tapetrain.config.sections import (
     LoggingSection,
     ModelSection,
     OptimSection,
+    ParallelSection,
     RunSection,
     TrainSection,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "LoggingSection",
     "ModelSection",
     "OptimSection",
+    "ParallelSection",
     "RunConfig",
     "RunSection",
     "TrainSection",

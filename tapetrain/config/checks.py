@@ -22,6 +22,8 @@ RESERVED_DEEPSPEED_KEYS = {
     "optimizer": "optim.* (tapetrain passes its own AdamW)",
     "scheduler": "optim.schedule (tapetrain passes its own LR schedule)",
     "bfloat16": "deepspeed.precision",
+    "sequence_parallel_size": "parallel.sequence_parallel",
+    "data_parallel_size": "parallel.sequence_parallel (data parallel = world size / sequence_parallel)",
 }
 RESERVED_NESTED_KEYS = {
     ("bf16", "enabled"): "deepspeed.precision",
@@ -32,6 +34,17 @@ RESERVED_NESTED_KEYS = {
     ("bf16", "check_grad_overflow"): "train.on_nan (non-finite gradients are always checked)",
 }
 PRETRAINED_PE_MODES = ("tape", "tape+embed+norm")
+# Bounds no run reaches: a value past them is a typo (an extra digit, a wrong exponent), not a plan. They also keep
+# counts inside int64 (numpy, torch and DeepSpeed store them there).
+MAX_STEPS = 10**9  # a billion optimizer steps: centuries at one step a second
+MAX_BATCH = 2**24  # sequences per step
+MAX_SEQ_LEN = 2**24  # 16Mi tokens per sequence
+# optim.lr has no upper bound: a huge LR is how a diverging run is reproduced on purpose (the NaN tests use 1e30).
+
+
+# A collective that times out names the ranks whose heartbeat stopped (tapetrain.train.heartbeat: written every 2 s,
+# stale after 7 s); a rank stopped just after a beat is seen as stale only once the timeout exceeds that by a beat.
+MIN_TIMEOUT_MINUTES = 0.2
 
 
 class _Checker:
@@ -48,6 +61,10 @@ class _Checker:
     def non_negative(self, key: str, value: float | None, fix: str = "set 0 or a positive number") -> None:
         if value is not None and not (value >= 0 and math.isfinite(value)):
             self.fail(key, f"must be >= 0, got {value}", fix)
+
+    def at_most(self, key: str, value: float | None, limit: float, fix: str) -> None:
+        if value is not None and value > limit:
+            self.fail(key, f"must be <= {limit}, got {value}", fix)
 
     def fraction(self, key: str, value: float | None, *, low_open: bool, high_open: bool) -> None:
         if value is None:
@@ -66,17 +83,21 @@ def nearest_multiples(value: int, unit: int) -> list[int]:
     return sorted(candidates, key=lambda c: (abs(c - value), c))
 
 
-def grad_accum_steps(train: TrainSection, world_size: int) -> int:
-    """global_batch_size / (micro_batch_size × world_size), or a ConfigError naming keys and a valid batch."""
+def grad_accum_steps(train: TrainSection, world_size: int, sequence_parallel: int = 1) -> int:
+    """global_batch_size / (micro_batch_size × data-parallel ranks), or a ConfigError naming keys and a valid batch.
+    Data-parallel ranks = world_size / sequence_parallel (a sequence-parallel group shares its sequences)."""
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world size must be a positive integer, got {world_size!r}; check WORLD_SIZE")
-    unit = train.micro_batch_size * world_size
+    data_parallel = world_size // sequence_parallel
+    unit = train.micro_batch_size * data_parallel
+    ranks = "world size" if sequence_parallel == 1 else (
+        f"data-parallel ranks (world size {world_size} / parallel.sequence_parallel {sequence_parallel})")
     global_batch = unit if train.global_batch_size is None else train.global_batch_size
     if global_batch % unit:
         options = nearest_multiples(global_batch, unit)
         raise ConfigError(
             f"train.global_batch_size={global_batch} is not divisible by "
-            f"train.micro_batch_size × world size = {train.micro_batch_size} × {world_size} = {unit}; "
+            f"train.micro_batch_size × {ranks} = {train.micro_batch_size} × {data_parallel} = {unit}; "
             f"use train.global_batch_size={options[0]}"
             + (f" (or {options[1]})" if len(options) > 1 else "")
             + ", or change train.micro_batch_size"
@@ -93,6 +114,7 @@ def check_run_config(cfg: RunConfig, locate: Locate) -> None:
     _check_train(cfg, c)
     _check_optim(cfg, c)
     _check_deepspeed(cfg, c)
+    _check_parallel(cfg, c)
     _check_logging(cfg, c)
 
 
@@ -127,6 +149,7 @@ def _check_data(cfg: RunConfig, c: _Checker) -> None:
             c.positive(f"data.{name}[{i}].weight", source.weight, "set a positive sampling weight")
     assert data.seq_len is not None  # filled in by the loader
     c.positive("data.seq_len", data.seq_len, "set the sequence length in tokens, e.g. 1024")
+    c.at_most("data.seq_len", data.seq_len, MAX_SEQ_LEN, "set the sequence length in tokens, e.g. 1024")
     if data.seq_len > cfg.model.max_seq_len:
         c.fail(
             "data.seq_len",
@@ -134,6 +157,7 @@ def _check_data(cfg: RunConfig, c: _Checker) -> None:
             f"lower data.seq_len or raise model.max_seq_len to {data.seq_len}",
         )
     c.non_negative("data.num_workers", data.num_workers, "set 0 (read in process) or a worker count")
+    c.positive("data.cache_limit_gb", data.cache_limit_gb, "set the shard cache's size in GB, or null for no limit")
 
 
 def _check_train(cfg: RunConfig, c: _Checker) -> None:
@@ -141,6 +165,7 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
     c.positive("train.steps", t.steps, "set the number of optimizer steps, e.g. train.steps=1000")
     c.positive("train.micro_batch_size", t.micro_batch_size, "set the sequences per rank per micro step")
     c.positive("train.global_batch_size", t.global_batch_size, "set a positive batch size or null")
+    _check_step_counts(cfg, c)
     if t.global_batch_size is not None and t.global_batch_size % t.micro_batch_size:
         options = nearest_multiples(t.global_batch_size, t.micro_batch_size)
         c.fail(
@@ -193,9 +218,21 @@ def _check_train(cfg: RunConfig, c: _Checker) -> None:
         )
 
 
+def _check_step_counts(cfg: RunConfig, c: _Checker) -> None:
+    """Upper bounds of the counts in train.*: a value no run reaches is a typo."""
+    t = cfg.train
+    steps_fix = f"no run takes over {MAX_STEPS} steps; check for a typo (an extra digit?)"
+    for key in ("steps", "save_interval", "log_interval", "eval_interval", "eval_steps", "keep_last", "max_nan_skips"):
+        c.at_most(f"train.{key}", getattr(t, key), MAX_STEPS, steps_fix)
+    batch_fix = "set sequences per step that fit a cluster's memory, e.g. 512"
+    for key in ("micro_batch_size", "global_batch_size"):
+        c.at_most(f"train.{key}", getattr(t, key), MAX_BATCH, batch_fix)
+
+
 def _check_optim(cfg: RunConfig, c: _Checker) -> None:
     o, steps = cfg.optim, cfg.train.steps
     c.positive("optim.lr", o.lr, "set a peak learning rate, e.g. 3e-4")
+    c.at_most("optim.warmup_steps", o.warmup_steps, MAX_STEPS, "set a number of warmup steps below train.steps")
     c.non_negative("optim.min_lr", o.min_lr, "set a final learning rate, e.g. 0 or lr/10")
     if o.min_lr > o.lr:
         c.fail("optim.min_lr", f"{o.min_lr} is above optim.lr={o.lr}", "set optim.min_lr <= optim.lr")
@@ -259,6 +296,11 @@ def _check_deepspeed(cfg: RunConfig, c: _Checker) -> None:
             "set deepspeed.zero_stage to 1, 2 or 3, or deepspeed.offload_optimizer=false",
         )
     c.positive("deepspeed.timeout_minutes", d.timeout_minutes, "set the collective timeout in minutes, e.g. 30")
+    if 0 < d.timeout_minutes < MIN_TIMEOUT_MINUTES:
+        c.fail("deepspeed.timeout_minutes",
+               f"must be >= {MIN_TIMEOUT_MINUTES:g} ({MIN_TIMEOUT_MINUTES * 60:g} s), got {d.timeout_minutes:g}: a "
+               "shorter timeout cannot tell a hung rank from a heartbeat a few seconds late",
+               f"set e.g. 30 (minutes), or {MIN_TIMEOUT_MINUTES:g} in tests")
     for key in ("reduce_bucket_size", "allgather_bucket_size", "stage3_prefetch_bucket_size"):
         c.positive(f"deepspeed.{key}", getattr(d, key), "set a positive element count, e.g. 5e8")
     for key in (
@@ -284,6 +326,47 @@ def _check_deepspeed(cfg: RunConfig, c: _Checker) -> None:
             )
 
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def sequence_parallel_heads_problem(n_heads: int, sequence_parallel: int) -> tuple[str, str] | None:
+    """(problem, fix) when `sequence_parallel` cannot split attention over `n_heads` query heads, else None. Also
+    checked once model.init_from has set the head count."""
+    if n_heads % sequence_parallel == 0:
+        return None
+    problem = (f"{sequence_parallel} does not divide model.n_heads={n_heads} (each rank of a group attends with "
+               "n_heads / N whole heads)")
+    return problem, f"set parallel.sequence_parallel to a divisor of {n_heads}: {_divisors(n_heads)}"
+
+
+def _check_parallel(cfg: RunConfig, c: _Checker) -> None:
+    n = cfg.parallel.sequence_parallel
+    c.positive("parallel.sequence_parallel", n, "set 1 (off) or the ranks that share each sequence, e.g. 8")
+    if n == 1:
+        return
+    heads = sequence_parallel_heads_problem(cfg.model.n_heads, n)
+    if heads:
+        c.fail("parallel.sequence_parallel", *heads)
+    seq_len = cfg.data.seq_len
+    assert seq_len is not None
+    if seq_len % n:
+        options = nearest_multiples(seq_len, n)
+        c.fail("data.seq_len", f"{seq_len} is not a multiple of parallel.sequence_parallel={n} (every rank of a "
+               f"group holds seq_len / N tokens)", f"use data.seq_len={options[0]}"
+               + (f" (or {options[1]})" if len(options) > 1 else ""))
+    if cfg.model.s2_attn:
+        c.fail("model.s2_attn", f"shifted sparse attention is not supported with parallel.sequence_parallel={n} (its "
+               "token groups and the half-group roll span the ranks' slices)",
+               "set model.s2_attn=false (full attention, which sequence parallelism makes affordable) or "
+               "parallel.sequence_parallel=1")
+    if cfg.model.compile:
+        c.fail("model.compile", f"torch.compile of the layers is not supported with parallel.sequence_parallel={n}: "
+               "the Ulysses all-to-all is an autograd function that fills a buffer with a collective, which a "
+               "compiled graph may trace without its gradient", "set model.compile=false or "
+               "parallel.sequence_parallel=1")
+
+
 def _check_logging(cfg: RunConfig, c: _Checker) -> None:
     c.positive("logging.console_interval", cfg.logging.console_interval, "set a step interval or null")
     c.positive("logging.peak_tflops", cfg.logging.peak_tflops, "set the device's peak TFLOP/s or null")
@@ -291,7 +374,16 @@ def _check_logging(cfg: RunConfig, c: _Checker) -> None:
 
 def check_for_world(cfg: RunConfig, world_size: int, device_type: str | None) -> int:
     """Checks that need the world size / device type; returns the gradient accumulation steps."""
-    accum = grad_accum_steps(cfg.train, world_size)
+    n = cfg.parallel.sequence_parallel
+    if isinstance(world_size, int) and world_size >= 1 and world_size % n:
+        fits = [d for d in range(1, world_size + 1) if world_size % d == 0 and cfg.model.n_heads % d == 0
+                and (cfg.data.seq_len or 0) % d == 0]
+        raise ConfigError(
+            f"parallel.sequence_parallel={n} does not divide the {world_size} rank(s) of this launch (groups of N "
+            f"ranks share each sequence); launch a multiple of {n} ranks, or set parallel.sequence_parallel to one "
+            f"of {', '.join(map(str, fits))}"
+        )
+    accum = grad_accum_steps(cfg.train, world_size, n)
     if device_type == "cpu" and cfg.deepspeed.precision != "fp32":
         raise ConfigError(
             f"deepspeed.precision={cfg.deepspeed.precision} is not supported on CPU (no GPU found); "

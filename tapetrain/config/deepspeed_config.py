@@ -47,16 +47,18 @@ def _zero_block(cfg: RunConfig) -> dict[str, Any]:
 
 
 def build_deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config dict for `cfg` on `world_size` data-parallel ranks.
+    """The DeepSpeed config dict for `cfg` on `world_size` ranks (world_size / parallel.sequence_parallel of them
+    data parallel: DeepSpeed's batch sizes count each sequence once).
 
     Raises ConfigError (naming train.global_batch_size / train.micro_batch_size and a valid global batch) when
-    the global batch is not a multiple of micro_batch_size × world_size.
+    the global batch is not a multiple of micro_batch_size × data-parallel ranks.
     """
-    accum = grad_accum_steps(cfg.train, world_size)
+    n = cfg.parallel.sequence_parallel
+    accum = grad_accum_steps(cfg.train, world_size, n)
     micro = cfg.train.micro_batch_size
     d = cfg.deepspeed
     ds: dict[str, Any] = {
-        "train_batch_size": micro * world_size * accum,
+        "train_batch_size": micro * (world_size // n) * accum,
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
         "gradient_clipping": cfg.train.grad_clip,
@@ -66,6 +68,10 @@ def build_deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
         "steps_per_print": STEPS_PER_PRINT,
         "wall_clock_breakdown": False,
     }
+    if n > 1:
+        # Read where no mpu is at hand (zero.Init under ZeRO-3): its batch check then counts world_size / N ranks.
+        # The engine gets DeepSpeed's parallel_state_sp as mpu (tapetrain.parallel.ulysses).
+        ds["sequence_parallel_size"] = n
     if d.precision == "fp16":
         ds["fp16"].update(loss_scale=d.loss_scale, initial_scale_power=d.initial_scale_power)
     if d.offload_optimizer:

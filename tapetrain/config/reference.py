@@ -15,6 +15,7 @@ from tapetrain.config.run_config import RunConfig
 from tapetrain.config.sections import DataSource, LoraSection, ModelSection, ProfileSection, WandbSection
 from tapetrain.config.typed import type_name
 from tapetrain.fields import field_help
+from tapetrain.model.rope_scaling import RopeScaling
 
 INTRO = """\
 A run is one YAML file with the sections below; `tapetrain train CONFIG.yaml KEY=VALUE ...` overrides any
@@ -69,6 +70,7 @@ def render_reference() -> str:
     parts = ["# Configuration reference", "", INTRO]
     for f in dataclasses.fields(RunConfig):
         parts.append(render_section(f.name, hints[f.name]))
+    parts.append(render_section("model.rope_scaling", RopeScaling))
     parts.append(render_section("data.train[i]", DataSource))
     parts.append(render_section("train.lora", LoraSection))
     parts.append(render_section("train.profile", ProfileSection))

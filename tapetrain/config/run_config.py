@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import tempfile
 import typing
 from collections.abc import Iterable, Mapping
@@ -23,6 +24,7 @@ from tapetrain.config.sections import (
     LoggingSection,
     ModelSection,
     OptimSection,
+    ParallelSection,
     RunSection,
     TrainSection,
 )
@@ -42,6 +44,7 @@ class RunConfig:
     train: TrainSection = field(default_factory=TrainSection)
     optim: OptimSection = field(default_factory=OptimSection)
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
 
     @classmethod
@@ -90,19 +93,23 @@ class RunConfig:
         return out
 
     def resolve(self, world_size: int, device_type: str | None = None) -> RunConfig:
-        """Checks that need the data-parallel world size (and device type: 'cpu' or 'cuda'); returns a copy
-        with train.global_batch_size filled in (null -> micro_batch_size × world_size)."""
+        """Checks that need the world size (and device type: 'cpu' or 'cuda'); returns a copy with
+        train.global_batch_size filled in (null -> micro_batch_size × data-parallel ranks)."""
         check_for_world(self, world_size, device_type)
-        global_batch = self.train.global_batch_size or self.train.micro_batch_size * world_size
+        global_batch = self.train.global_batch_size or self.train.micro_batch_size * self.data_parallel(world_size)
         return replace(self, train=replace(self.train, global_batch_size=global_batch))
+
+    def data_parallel(self, world_size: int) -> int:
+        """Ranks that read different samples: world size / parallel.sequence_parallel."""
+        return world_size // self.parallel.sequence_parallel
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro steps per optimizer step on each rank."""
-        return grad_accum_steps(self.train, world_size)
+        return grad_accum_steps(self.train, world_size, self.parallel.sequence_parallel)
 
     def global_batch_size(self, world_size: int) -> int:
-        """Sequences per optimizer step over all ranks."""
-        return self.train.micro_batch_size * world_size * self.grad_accum_steps(world_size)
+        """Sequences per optimizer step over all ranks (each counted once: a sequence-parallel group shares one)."""
+        return self.train.micro_batch_size * self.data_parallel(world_size) * self.grad_accum_steps(world_size)
 
     def tokens_per_step(self, world_size: int) -> int:
         """Training tokens per optimizer step over all ranks."""
@@ -143,10 +150,38 @@ def _expand_preset(model: Mapping, locate: Locate) -> dict:
 
 
 def load_run_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
-    """Load, merge `base:` includes, apply KEY=VALUE overrides, type-check and validate a run config."""
+    """Load, merge `base:` includes, apply KEY=VALUE overrides, type-check and validate a run config.
+
+    A `run.seed=S` override without a `run.out_dir` override moves the run to OUT_DIR/seed-S (`seed_run_dir`)."""
+    overrides = list(overrides)
     data, locations = read_with_bases(str(path))
-    data = apply_overrides(data, list(overrides), locations)
-    return RunConfig.from_dict(data, locator(locations))
+    data = apply_overrides(data, overrides, locations)
+    return place_seed_run(RunConfig.from_dict(data, locator(locations)), overrides)
+
+
+SEED_DIR = re.compile(r"^seed-(\d+)$")
+
+
+def seed_run_dir(out_dir: str, seed: int) -> str:
+    """runs/NAME -> runs/NAME/seed-S; a directory already named seed-T is replaced (runs/NAME/seed-T -> seed-S),
+    so reloading a seed run's own config.yaml with another seed never nests seed-T/seed-S."""
+    parent, name = os.path.split(out_dir.rstrip("/\\") or out_dir)
+    base = parent if SEED_DIR.match(name) else os.path.join(parent, name)
+    return os.path.join(base, f"seed-{seed}")
+
+
+def place_seed_run(cfg: RunConfig, overrides: list[str]) -> RunConfig:
+    """The config with run.out_dir = seed_run_dir(...) when the command line sets run.seed but not run.out_dir.
+
+    Why: a seed sweep (`tapetrain train CONFIG run.seed=S` for several S) would otherwise resume, or refuse, the
+    one run directory of the config; per-seed directories are also what `tapetrain compare` groups by label.
+    run.name (if unset) becomes NAME-seed-S so logs and TensorBoard tell the seeds apart."""
+    keys = {text.partition("=")[0].strip() for text in overrides}
+    if "run.seed" not in keys or keys & {"run", "run.out_dir"}:
+        return cfg
+    out_dir = seed_run_dir(cfg.run.out_dir, cfg.run.seed)
+    name = cfg.run.name or f"{os.path.basename(os.path.dirname(out_dir))}-seed-{cfg.run.seed}"
+    return replace(cfg, run=replace(cfg.run, out_dir=out_dir, name=name))
 
 
 def dump_run_config(cfg: RunConfig) -> str:

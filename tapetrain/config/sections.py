@@ -45,13 +45,15 @@ class ModelSection(ModelConfig):
     """
 
     preset: str | None = option(
-        None, "Named model shape to start from (tiny, paper-155m, llama-1b, llama2-7b); other model keys override it."
+        None, "Named model shape to start from (tiny, paper-155m, llama-1b, llama2-7b, llama3.1-8b); other model keys "
+        "override it."
     )
     init_from: str | None = option(
         None,
-        "Weights to start from (null = random init): a Hugging Face Llama checkpoint directory, a tapetrain "
-        "export (tapetrain export hf) or a tapetrain run directory / checkpoint directory (its newest complete "
-        "checkpoint).",
+        "Weights to start from (null = random init): a Hugging Face checkpoint directory (Llama-2/3.x, Mistral, "
+        "Qwen2/2.5, Qwen3), a tapetrain export (tapetrain export hf) or a tapetrain run directory / checkpoint "
+        "directory (its newest complete checkpoint). Its shape and, unless this config sets them, its RoPE settings "
+        "are used.",
     )
 
     def model_config(self) -> ModelConfig:
@@ -67,7 +69,8 @@ class ModelSection(ModelConfig):
 class DataSource:
     """One token-shard directory (written by `tapetrain data prepare`) and its sampling weight."""
 
-    path: str = option(help="Shard directory (or manifest) written by `tapetrain data prepare`.")
+    path: str = option(help="Shard directory written by `tapetrain data prepare`: a local path or a URL in object "
+                       "storage (s3://, gs://, hf://, https://).")
     weight: float = option(1.0, "Relative sampling weight when mixing several sources.")
 
 
@@ -103,6 +106,16 @@ class DataSection:
         None, "SentencePiece model used to write the shards; checked against the shard manifest if given."
     )
     num_workers: int = option(1, "Background reader workers per rank (0 = read in the training process).")
+    cache_dir: str | None = option(
+        None,
+        "Node-local cache of shards read from object storage (s3://, gs://, hf://, https:// data paths), shared by "
+        "the ranks and runs of the node (null = $TMPDIR/tapetrain-cache-UID). Unused for local paths.",
+    )
+    cache_limit_gb: float | None = option(
+        100.0,
+        "Size limit of data.cache_dir in GB (1e9 bytes): least recently used shards not open in any reader are "
+        "evicted beyond it (null = no limit).",
+    )
     verify: bool = option(
         False,
         "Before training, check every shard's sha256 and token ids against its manifest (reads all data once, on "
@@ -111,8 +124,15 @@ class DataSection:
     packing: bool = option(
         False,
         "Supervised example data (tapetrain data arith / data scrolls): pack consecutive examples into each "
-        "sequence instead of padding every example to seq_len; the loss stays on the answers only, but attention "
-        "spans the packed examples.",
+        "sequence instead of padding every example to seq_len; the loss stays on the answers only, and with "
+        "data.document_mask (its default) every example attends only to itself, at positions from 0.",
+    )
+    document_mask: bool | None = option(
+        None,
+        "Respect document boundaries inside packed sequences: positions restart at 0 at every document start "
+        "(after each EOS in token shards, at each example in packed example data) and attention stays within a "
+        "document (docs/document-masking.md). null = on for packed supervised examples, off for token shards.",
+        shown_type="bool or null",
     )
 
     @staticmethod
@@ -174,6 +194,12 @@ class TrainSection:
         "auto",
         "'auto' = continue from the newest checkpoint in run.out_dir if any; 'none' = start fresh; "
         "or a checkpoint directory to start from.",
+    )
+    resume_fallback: bool = option(
+        True,
+        "With resume 'auto': when the newest checkpoint is damaged (a file differs from its manifest.json) or "
+        "incomplete, resume from the newest intact one, naming the skipped checkpoint and why in the log; false = "
+        "refuse to start instead. A checkpoint named in train.resume never falls back.",
     )
     trainable: Trainable = option(
         "all",
@@ -283,14 +309,29 @@ class DeepSpeedSection:
     initial_scale_power: int = option(16, "fp16 only: dynamic loss scaling starts at 2**this.")
     timeout_minutes: float = option(
         30.0,
-        "Timeout of every collective (process-group init). Raise it when ranks wait longer for one another, e.g. "
-        "while rank 0 saves or converts a large checkpoint (DeepSpeed's own default is 10).",
+        "Timeout of every collective, in every process group (also the groups DeepSpeed creates). A rank that "
+        "does not arrive in time ends the job with a message naming the step and the rank (docs/run-directory.md). "
+        "Raise it when ranks wait longer for one another, e.g. while rank 0 saves or converts a large checkpoint "
+        "(DeepSpeed's own default is 10). Fractions are allowed (>= 0.2, i.e. 12 s, for tests).",
     )
     extra: dict[str, Any] = option(
         {},
         "Raw DeepSpeed JSON deep-merged last (e.g. {comms_logger: {enabled: true}}). Keys tapetrain owns "
         "(batch sizes, optimizer, scheduler, gradient_clipping, precision, ZeRO stage) are rejected.",
         shown_type="mapping",
+    )
+
+
+@dataclass
+class ParallelSection:
+    """How ranks share the work beyond data parallelism."""
+
+    sequence_parallel: int = option(
+        1,
+        "Sequence parallelism (DeepSpeed-Ulysses): every sequence is split over a group of N consecutive ranks, each "
+        "holding data.seq_len / N tokens, and attention trades tokens for heads with all-to-alls. Data parallel = "
+        "world size / N; global batch = micro_batch_size × (world size / N) × accumulation. N must divide "
+        "model.n_heads, data.seq_len and the world size, and should fit in one node. 1 = off.",
     )
 
 

@@ -74,6 +74,7 @@ class BatchIterator:
         self._order = SampleOrder(self.num_samples, self.seed, shuffle)
         self.consumed_samples = int(consumed_samples)
         self._micro_step = 0  # micro-steps of the current (uncompleted) optimizer step already returned
+        self._hinted = 0  # absolute micro step up to which prefetch_ahead told the dataset what comes
 
     @property
     def epoch(self) -> int:
@@ -94,6 +95,18 @@ class BatchIterator:
         """The micro batch of these dataset indices (see `read_batch`)."""
         return read_batch(self.dataset, indices)
 
+    def prefetch_ahead(self, first: int, count: int | None = None) -> None:
+        """Tell the dataset which samples micro steps first .. first + count - 1 ahead will read (count defaults to
+        two optimizer steps), so remote shards are fetched before they are needed; a no-op for local data."""
+        if not getattr(self.dataset, "fetches_remote", False):
+            return
+        count = 2 * self.grad_accum_steps if count is None else count
+        now = self.consumed_samples // self.global_batch_size * self.grad_accum_steps + self._micro_step
+        start = max(first, self._hinted - now)  # micro steps hinted by an earlier call are not hinted again
+        if start < first + count:
+            self.dataset.prefetch(np.concatenate([self.indices_ahead(k) for k in range(start, first + count)]))
+            self._hinted = now + first + count
+
     def advance(self) -> None:
         """Move past one micro step (what next_micro_batch does after reading)."""
         self._micro_step += 1
@@ -103,9 +116,16 @@ class BatchIterator:
 
     def next_micro_batch(self) -> Any:
         """The next micro batch (see `read`); after grad_accum_steps calls the step is complete."""
+        self.prefetch_ahead(1)
         batch = self.read(self.micro_batch_indices())
         self.advance()
         return batch
+
+    def close(self) -> None:
+        """Stop the dataset's background fetches (remote data); reading again restarts them."""
+        close = getattr(self.dataset, "close", None)
+        if close is not None:
+            close()
 
     def __iter__(self) -> BatchIterator:
         return self
@@ -132,7 +152,7 @@ class BatchIterator:
             raise DataError(
                 f"checkpoint data order used seed={state.get('seed')} shuffle={state.get('shuffle')} but "
                 f"this run has seed={self.seed} shuffle={self.shuffle}; set run.seed={state.get('seed')} "
-                "to resume exactly"
+                "to resume exactly (with run.out_dir set too: a run.seed override alone starts OUT_DIR/seed-S)"
             )
         if state.get("num_samples", self.num_samples) != self.num_samples:
             warnings.warn(
@@ -140,3 +160,4 @@ class BatchIterator:
                 "the data changed, so the resumed order differs from the original run", stacklevel=2)
         self.consumed_samples = int(state["consumed_samples"])
         self._micro_step = 0
+        self._hinted = 0

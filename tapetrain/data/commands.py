@@ -28,45 +28,60 @@ def tokenizer(input: list[str], vocab_size: int, out: str, text_key: str = "text
 
 
 def prepare(input: list[str], tokenizer: str, out: str, text_key: str = "text", val_fraction: float = 0.0,
-            workers: int = 1, skip_bad: bool = False, overwrite: bool = False) -> None:
+            workers: int = 1, skip_bad: bool = False, overwrite: bool = False,
+            split_docs_at: int | None = None) -> None:
     """Tokenize a corpus into token shards + manifest.json (the input of `tapetrain train`).
 
     Args:
         input: the corpus: .jsonl/.json/.txt globs (also .gz, e.g. C4's c4-*.json.gz; .jsonl.zst),
             .parquet, or hf:NAME[:CONFIG][:SPLIT]
         tokenizer: sentencepiece .model to encode with (`tapetrain data tokenizer` writes one)
-        out: output directory (written atomically: a crash leaves no half dataset)
+        out: output directory (written atomically: a crash leaves no half dataset), or a URL in object storage
+            (s3://, gs://, hf://): written locally, uploaded (manifest last) and verified
         text_key: JSON field that holds each document's text
         val_fraction: share of documents held out as the val split (0 = no val split)
         workers: tokenizer processes (about one per free CPU core)
         skip_bad: count and skip bad records, do not fail
         overwrite: replace a finished or interrupted run
+        split_docs_at: cut every document into pieces of at most this many tokens, each a document (own EOS,
+            own train/val draw); for inputs of a few large documents (a .txt file is one document)
     """
     from tapetrain.data.prepare import prepare as prepare_shards
 
     manifest = prepare_shards(input, tokenizer, out, text_key=text_key, val_fraction=val_fraction, workers=workers,
-                              skip_bad=skip_bad, overwrite=overwrite)
+                              skip_bad=skip_bad, overwrite=overwrite, split_docs_at=split_docs_at)
     splits = ", ".join(f"{name}: {s['num_tokens']} tokens, {s['num_documents']} docs, {len(s['shards'])} shards"
                        for name, s in manifest["splits"].items())
     print(f"wrote {out}: {splits}; skipped {manifest['skipped_records']} bad records")
 
 
 def verify(data_dirs: list[str], quiet: bool = False) -> int:
-    """Check every shard's sha256 and token ids against manifest.json (exit 1 on any mismatch).
+    """Check every shard's sha256 and token ids, or every checkpoint's files, against their manifests (exit 1 on
+    any mismatch).
 
     Args:
-        data_dirs: directories written by `tapetrain data prepare` (or data arith / data scrolls)
+        data_dirs: directories written by `tapetrain data prepare` (or data arith / data scrolls), or their URLs
+            in object storage (streamed, not stored), run directories (every checkpoint) or checkpoint directories
         quiet: no progress output
     """
+    from pathlib import Path
+
+    from tapetrain.checkpoint import manifest
     from tapetrain.data.errors import DataError
     from tapetrain.data.verify import verify_dataset
 
     bad = 0
     for path in data_dirs:
+        notes: list[str] = []
         try:
-            problems = verify_dataset(path, progress=not quiet)
+            if manifest.is_run_or_checkpoint(Path(path)):
+                problems, notes = manifest.verify_checkpoints(Path(path))
+            else:
+                problems = verify_dataset(path, progress=not quiet)
         except DataError as err:
             problems = [str(err)]
+        for note in notes:
+            print(f"{path}: {note}", file=sys.stderr)
         for problem in problems:
             print(f"{path}: {problem}", file=sys.stderr)
         print(f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}")

@@ -163,6 +163,14 @@ def write_manifest(out_dir: str, *, vocab_size: int, bos_id: int, eos_id: int, p
 
 def is_example_dir(path: str) -> bool:
     """Whether `path` is a store written by this module (vs token shards of `tapetrain data prepare`)."""
+    from tapetrain.data import remote
+
+    if remote.is_remote(path):
+        try:
+            found = remote.read_json(remote.join(path, MANIFEST))
+        except DataError:
+            return False  # load_manifest reports the missing manifest
+        return isinstance(found, dict) and found.get("format") == FORMAT_NAME
     manifest = os.path.join(path, MANIFEST)
     if not os.path.isfile(manifest):
         return False

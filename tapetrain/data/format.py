@@ -106,8 +106,26 @@ class ShardWriter:
         self._written += n
 
 
+def _load_remote_manifest(url: str) -> dict[str, Any]:
+    """manifest.json of a dataset in object storage (uploaded last by prepare, so no incomplete marker)."""
+    from tapetrain.data import remote
+
+    mpath = remote.join(url, MANIFEST)
+    try:
+        return remote.read_json(mpath)
+    except DataError as err:
+        if "does not exist" in str(err):
+            raise DataError(f"data path {url} has no {MANIFEST} ({mpath} not found): it is not a prepared dataset; "
+                            f"upload one with `tapetrain data prepare --out {url}` or fix the URL") from err
+        raise
+
+
 def load_manifest(path: str) -> dict[str, Any]:
-    """Read and sanity-check `path`/manifest.json of a finished prepare run."""
+    """Read and sanity-check `path`/manifest.json of a finished prepare run (a local path or a URL)."""
+    from tapetrain.data.remote import is_remote
+
+    if is_remote(path):
+        return _check_manifest(_load_remote_manifest(path), f"{path.rstrip('/')}/{MANIFEST}")
     if not os.path.isdir(path):
         raise DataError(f"data path {path} does not exist or is not a directory; run `tapetrain data prepare "
                         f"--out {path}` first or fix the data path")
@@ -124,6 +142,12 @@ def load_manifest(path: str) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise DataError(f"{mpath} is not valid JSON ({err}); re-run `tapetrain data prepare` into a fresh "
                         "directory") from err
+    return _check_manifest(manifest, mpath)
+
+
+def _check_manifest(manifest: Any, mpath: str) -> dict[str, Any]:
+    if not isinstance(manifest, dict):
+        raise DataError(f"{mpath} is not a JSON object; re-run `tapetrain data prepare`")
     if manifest.get("format") != FORMAT_NAME or manifest.get("version") != FORMAT_VERSION:
         raise DataError(f"{mpath} has format {manifest.get('format')!r} version {manifest.get('version')!r}; "
                         f"this tapetrain reads {FORMAT_NAME!r} version {FORMAT_VERSION}; re-run "

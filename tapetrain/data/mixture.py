@@ -45,6 +45,7 @@ class MixedDataset:
                 )
         self.seq_len, self.vocab_size = first.seq_len, first.vocab_size
         self.collate = getattr(first, "collate", None)  # supervised examples batch through their own collate
+        self.document_mask = bool(getattr(first, "document_mask", False))  # the same option opened every source
         quotas = np.maximum(1, np.rint(weights / weights.sum() * WEIGHT_RESOLUTION)).astype(np.int64)
         quotas //= np.gcd.reduce(quotas)
         self.quotas = quotas
@@ -76,3 +77,24 @@ class MixedDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         s, i = self.locate(index)
         return self.datasets[s][i]
+
+    @property
+    def fetches_remote(self) -> bool:
+        return any(getattr(ds, "fetches_remote", False) for ds in self.datasets)
+
+    def close(self) -> None:
+        for ds in self.datasets:
+            close = getattr(ds, "close", None)
+            if close is not None:
+                close()
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Hand each source the indices of its own that the mixture indices `indices` map to."""
+        found: dict[int, list[int]] = {}
+        for index in indices:
+            s, i = self.locate(int(index))
+            found.setdefault(s, []).append(i)
+        for s, own in found.items():
+            prefetch = getattr(self.datasets[s], "prefetch", None)
+            if prefetch is not None:
+                prefetch(np.asarray(own, dtype=np.int64))

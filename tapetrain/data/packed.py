@@ -8,18 +8,31 @@ exactly num_tokens * itemsize bytes, sha256 of every shard (verify_checksums=Tru
 ids < vocab_size (verify_tokens: True scans every shard, False none, None (default) only shards up to
 VERIFY_SCAN_BYTES, so huge datasets open fast). Independently, every window read is checked for ids >=
 vocab_size (one vectorized max per window), so corrupt ids can never reach the embedding.
+
+document_mask=True: batches are `TokenBatch`es carrying per-token document ids derived from EOS
+(tapetrain.data.documents); windows themselves are unchanged.
+
+A `path` in object storage (s3://, gs://, hf://, https://; tapetrain.data.remote) reads the manifest remotely and
+each shard through the node's cache when first needed (tapetrain.data.remote_shards); a shard is checked against
+its sha256 as it is downloaded, so the open-time checks above are skipped for it.
 """
 
 from __future__ import annotations
 
 import operator
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 
 from tapetrain.data import format as fmt
+from tapetrain.data import remote
+from tapetrain.data.cache import ShardCache
+from tapetrain.data.documents import DocumentCollate
 from tapetrain.data.errors import DataError
+from tapetrain.data.remote_shards import RemoteShards
 
 VERIFY_SCAN_BYTES = 64 << 20
 REPREPARE = "re-run `tapetrain data prepare` into a fresh directory"
@@ -36,14 +49,23 @@ class PackedDataset:
         expected_vocab_size: int | None = None,
         verify_checksums: bool = False,
         verify_tokens: bool | None = None,
+        document_mask: bool | None = False,
+        cache: ShardCache | None = None,
     ):
         if int(seq_len) < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
-        self.path, self.seq_len, self.split = os.path.abspath(path), int(seq_len), split
+        self.remote = remote.is_remote(path)
+        self.path = path.rstrip("/") if self.remote else os.path.abspath(path)
+        self.seq_len, self.split = int(seq_len), split
         self.manifest: dict[str, Any] = fmt.load_manifest(self.path)
         self.vocab_size: int = int(self.manifest["vocab_size"])
         self.eos_id: int = self.manifest["eos_id"]
         self.bos_id: int = self.manifest["bos_id"]
+        self.document_mask = bool(document_mask)  # None (auto) = off for language modelling
+        if self.document_mask and (self.eos_id is None or self.eos_id < 0):
+            raise DataError(f"data {path} has no EOS id in its manifest, so document ends are unknown; "
+                            "set data.document_mask=false or re-prepare with a tokenizer that has an EOS")
+        self.collate = DocumentCollate(self.eos_id) if self.document_mask else None
         if expected_vocab_size is not None and expected_vocab_size != self.vocab_size:
             raise DataError(
                 f"data {path} was tokenized with vocab {self.vocab_size} but model.vocab_size is "
@@ -60,7 +82,10 @@ class PackedDataset:
             )
         self.dtype = fmt.DTYPES[self.manifest["dtype"]]
         self.shards: list[dict[str, Any]] = entry["shards"]
-        for shard in self.shards:
+        self._remote: RemoteShards | None = None
+        if self.remote:  # sizes and sha256 are checked as each shard is downloaded
+            self._remote = RemoteShards(self.path, self.shards, self.dtype, cache or ShardCache(None, None))
+        for shard in self.shards if not self.remote else ():
             self._check_shard(shard, verify_checksums)
         sizes = np.array([s["num_tokens"] for s in self.shards], dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(sizes)])  # (num_shards + 1,) stream offset per shard
@@ -72,7 +97,7 @@ class PackedDataset:
         # ids can only exceed the vocab if the dtype can hold values >= vocab_size
         self._check_ids = self.vocab_size <= np.iinfo(self.dtype).max
         self._maps: list[np.memmap] | None = None
-        if self._check_ids:
+        if self._check_ids and not self.remote:  # remote: only windows as they are read (no download at open)
             for k, shard in enumerate(self.shards):
                 if verify_tokens or (verify_tokens is None and shard["num_tokens"] * self.dtype.itemsize
                                      <= VERIFY_SCAN_BYTES):
@@ -101,7 +126,8 @@ class PackedDataset:
         if len(tokens) and int(tokens.max()) >= self.vocab_size:
             pos = stream_offset + int(np.argmax(tokens >= self.vocab_size))
             k = int(np.searchsorted(self._starts, pos, side="right")) - 1
-            bad = int(self._memmaps()[k][pos - self._starts[k]])
+            with self._shard(k) as shard:
+                bad = int(shard[pos - self._starts[k]])
             raise DataError(
                 f"shard {self.shards[k]['file']} of {self.path} holds token id {bad} at position "
                 f"{pos - self._starts[k]} but vocab_size is {self.vocab_size}: the shard is corrupt or was "
@@ -115,6 +141,35 @@ class PackedDataset:
                           for s in self.shards]
         return self._maps
 
+    @contextmanager
+    def _shard(self, k: int) -> Iterator[np.ndarray]:
+        """Shard k's tokens (a memory map) for the duration of the block."""
+        if self._remote is not None:
+            with self._remote.use(k) as tokens:
+                yield tokens
+        else:
+            yield self._memmaps()[k]
+
+    def shards_of(self, indices: np.ndarray) -> np.ndarray:
+        """The shard numbers that the windows `indices` read (unique, sorted)."""
+        starts = np.asarray(indices, dtype=np.int64) * self.seq_len
+        first = np.searchsorted(self._starts, starts, side="right") - 1
+        last = np.searchsorted(self._starts, starts + self.seq_len, side="right") - 1
+        return np.unique(np.concatenate([first, last]))
+
+    @property
+    def fetches_remote(self) -> bool:
+        return self._remote is not None
+
+    def prefetch(self, indices: np.ndarray) -> None:
+        """Fetch in the background what the windows `indices` will read (remote data; a no-op for local)."""
+        if self._remote is not None and len(indices):
+            self._remote.prefetch(self.shards_of(indices))
+
+    def close(self) -> None:
+        if self._remote is not None:
+            self._remote.close()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_maps"] = None
@@ -125,16 +180,17 @@ class PackedDataset:
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Stream tokens [start, stop) as int64, across shard boundaries."""
-        maps = self._memmaps()
         k = int(np.searchsorted(self._starts, start, side="right")) - 1
         if stop <= self._starts[k + 1]:  # common case: inside one shard
             base = int(self._starts[k])
-            return np.array(maps[k][start - base:stop - base], dtype=np.int64)  # plain ndarray copy
+            with self._shard(k) as shard:
+                return np.array(shard[start - base:stop - base], dtype=np.int64)  # plain ndarray copy
         out = np.empty(stop - start, dtype=np.int64)
         pos = start
         while pos < stop:
             base, end = int(self._starts[k]), int(min(self._starts[k + 1], stop))
-            out[pos - start:end - start] = maps[k][pos - base:end - base]
+            with self._shard(k) as shard:
+                out[pos - start:end - start] = shard[pos - base:end - base]
             pos, k = end, k + 1
         return out
 

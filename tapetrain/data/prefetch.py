@@ -39,6 +39,7 @@ class PrefetchingBatches:
         for k in range(start, self.depth):
             key = (b.consumed_samples, b._micro_step, k)
             self._ahead.append((key, self._pool.submit(self._read, b.indices_ahead(k))))
+        b.prefetch_ahead(self.depth)  # shards in object storage: fetched beyond what the threads read
 
     def next_micro_batch(self) -> Any:
         b = self.batches
@@ -67,3 +68,4 @@ class PrefetchingBatches:
     def close(self) -> None:
         self._drop()
         self._pool.shutdown(wait=True)
+        self.batches.close()

@@ -4,6 +4,9 @@ Determinism: documents are read in input order (globs sorted) and numbered 0, 1,
 `workers` processes on chunks of documents whose results are consumed strictly in submission order, so the
 shards are byte-identical for any number of workers. Document i goes to "val" iff
 uniform01(i, seed) < val_fraction (a counter-based hash, tapetrain.data.hashing), else to "train".
+With split_docs_at, documents are cut into pieces of at most that many tokens first, and piece j of document i
+goes to "val" iff uniform01((i << 32) | j, seed, stream=1) < val_fraction. A val split asked for but left empty is
+an error (DataError naming --split-docs-at), not a dataset without val.
 
 Writing: everything goes into a hidden sibling directory `.OUT.prepare.tmp` (same filesystem), which replaces
 OUT only once the manifest is written; so a bad input, a crash or Ctrl-C never touches an existing OUT, and
@@ -20,12 +23,16 @@ removes it. If a run is killed between the two renames of the swap, the previous
 
 from __future__ import annotations
 
+import ctypes
 import glob
 import json
 import logging
 import multiprocessing as mp
 import os
 import shutil
+import signal
+import sys
+import tempfile
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator
@@ -35,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from tapetrain.data import format as fmt
+from tapetrain.data import publish, remote
 from tapetrain.data.errors import DataError
 from tapetrain.data.hashing import uniform01
 from tapetrain.data.sources import SourceStats, expand_inputs, iter_documents
@@ -53,16 +61,25 @@ Encoded = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 class ChunkEncoder:
-    """Tokenizes a chunk, appends EOS, and splits documents into train/val by their global index."""
+    """Tokenizes a chunk, appends EOS, and splits documents into train/val by their global index.
 
-    def __init__(self, tokenizer_path: str, dtype: str, seed: int, val_fraction: float):
+    With split_at, a document is first cut into pieces of at most split_at tokens; each piece is a document of its
+    own (its own EOS and its own train/val draw, keyed by (document index, piece index)).
+    """
+
+    def __init__(self, tokenizer_path: str, dtype: str, seed: int, val_fraction: float, split_at: int | None = None):
         self.tok = Tokenizer(tokenizer_path)
         self.dtype = fmt.DTYPES[dtype]
-        self.seed, self.val_fraction = seed, val_fraction
+        self.seed, self.val_fraction, self.split_at = seed, val_fraction, split_at
 
     def __call__(self, chunk: Chunk) -> Encoded:
         start, texts = chunk
         ids = self.tok.encode_batch(texts)
+        if self.split_at is None:
+            is_val = uniform01(np.arange(start, start + len(texts)), self.seed) < self.val_fraction
+        else:
+            ids, keys = _split_pieces(ids, start, self.split_at)
+            is_val = uniform01(keys, self.seed, stream=1) < self.val_fraction
         eos = self.tok.eos_id
         lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
         flat = np.empty(int(lengths.sum()), dtype=self.dtype)
@@ -71,7 +88,6 @@ class ChunkEncoder:
             flat[pos:pos + len(x)] = x
             flat[pos + len(x)] = eos
             pos += len(x) + 1
-        is_val = uniform01(np.arange(start, start + len(texts)), self.seed) < self.val_fraction
         if not is_val.any():
             empty = np.empty(0, dtype=self.dtype)
             return flat, lengths, empty, np.empty(0, dtype=np.int64)
@@ -79,12 +95,41 @@ class ChunkEncoder:
         return flat[~doc_of_token], lengths[~is_val], flat[doc_of_token], lengths[is_val]
 
 
+def _split_pieces(ids: list[list[int]], start: int, split_at: int) -> tuple[list[list[int]], np.ndarray]:
+    """Pieces of at most split_at tokens and their keys (document index << 32 | piece index): a piece's train/val
+    draw depends on its place in the corpus only, not on chunking or workers."""
+    pieces: list[list[int]] = []
+    keys: list[int] = []
+    for i, doc in enumerate(ids):
+        for j, at in enumerate(range(0, max(len(doc), 1), split_at)):
+            pieces.append(doc[at:at + split_at])
+            keys.append(((start + i) << 32) | j)
+    return pieces, np.array(keys, dtype=np.uint64)
+
+
 _worker_encoder: ChunkEncoder | None = None
 
 
-def _init_worker(*args: Any) -> None:
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have the kernel SIGKILL this worker when its parent dies, however it dies: a SIGKILLed prepare otherwise
+    leaves its workers blocked on their task queue for good, holding memory and CPU (Linux only; elsewhere a no-op)."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed (errno %d): workers may outlive a killed prepare",
+                    ctypes.get_errno())
+    if os.getppid() != parent:  # the parent died before prctl: the signal will never come
+        os._exit(1)
+
+
+def _init_worker(parent: int, encoder_args: tuple) -> None:
     global _worker_encoder
-    _worker_encoder = ChunkEncoder(*args)
+    _die_with_parent(parent)
+    _worker_encoder = ChunkEncoder(*encoder_args)
 
 
 def _encode_in_worker(chunk: Chunk) -> Encoded:
@@ -120,7 +165,7 @@ def _encode_all(chunks: Iterator[Chunk], encoder_args: tuple, workers: int) -> I
         return
     # spawn: the parent may hold threads (torch, tqdm) that make fork unsafe.
     with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
-                             initargs=encoder_args) as pool:
+                             initargs=(os.getpid(), encoder_args)) as pool:
         pending: deque = deque()
         try:
             for chunk in chunks:
@@ -209,14 +254,14 @@ def _install(work: str, out_dir: str) -> None:
 
 def _write_shards(sources: list[str], tok: Tokenizer, dtype: str, out_dir: str, text_key: str,
                   val_fraction: float, workers: int, shard_tokens: int, skip_bad: bool, seed: int,
-                  progress: bool, stats: SourceStats) -> dict[str, Any]:
+                  progress: bool, stats: SourceStats, split_at: int | None = None) -> dict[str, Any]:
     """Read, tokenize and shard everything; return the manifest's "splits" entry."""
     writers = {split: fmt.ShardWriter(out_dir, split, dtype, shard_tokens) for split in fmt.SPLITS}
     docs = (doc.text for doc in iter_documents(sources, text_key=text_key, skip_bad=skip_bad, stats=stats))
     bar = progress_bar(desc="prepare", unit="doc", unit_scale=True, disable=not progress)
     t0, tokens = time.perf_counter(), 0
     with bar:
-        encoded = _encode_all(_chunks(docs), (tok.path, dtype, seed, val_fraction), workers)
+        encoded = _encode_all(_chunks(docs), (tok.path, dtype, seed, val_fraction, split_at), workers)
         for ndocs, (tr, tr_len, va, va_len) in encoded:
             writers["train"].add(tr, tr_len)
             writers["val"].add(va, va_len)
@@ -228,7 +273,17 @@ def _write_shards(sources: list[str], tok: Tokenizer, dtype: str, out_dir: str, 
     if splits["train"]["num_tokens"] == 0:
         raise DataError(f"no document landed in the train split (val_fraction={val_fraction}); lower "
                         "--val-fraction or add documents")
+    if val_fraction > 0 and splits["val"]["num_tokens"] == 0:
+        raise DataError(_empty_val_message(val_fraction, splits["train"]["num_documents"], split_at))
     return splits
+
+
+def _empty_val_message(val_fraction: float, documents: int, split_at: int | None) -> str:
+    cut = (f"pass a smaller --split-docs-at than {split_at}" if split_at else
+           "pass --split-docs-at 2048 to cut documents into pieces of at most 2048 tokens")
+    return (f"--val-fraction {val_fraction} put no document into the val split ({documents} document(s) in all: a "
+            f".txt file is one document, a JSON line or parquet row is one); add more input files, {cut}, or set "
+            "--val-fraction 0")
 
 
 def prepare(
@@ -243,6 +298,7 @@ def prepare(
     seed: int = 0,
     overwrite: bool = False,
     progress: bool = True,
+    split_docs_at: int | None = None,
 ) -> dict[str, Any]:
     """Tokenize `inputs` (globs or hf:NAME[:CONFIG][:SPLIT]) into shards in `out_dir`; return the manifest.
 
@@ -254,12 +310,22 @@ def prepare(
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}; e.g. 0.005")
     if workers < 1:
         raise DataError(f"--workers must be >= 1, got {workers}")
+    if split_docs_at is not None and split_docs_at < 1:
+        raise DataError(f"--split-docs-at must be >= 1 token, got {split_docs_at}; e.g. 2048 (or leave it out)")
     tok = Tokenizer(tokenizer_path)
     if tok.eos_id < 0:
         raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS, "
                         "so use a model trained with eos_id >= 0 (e.g. `tapetrain data tokenizer`)")
     dtype = fmt.token_dtype(tok.vocab_size)
     sources = expand_inputs(inputs)  # fail on bad globs before touching out_dir
+    if remote.is_remote(out_dir):  # object storage: write locally, upload, verify (tapetrain.data.publish)
+        publish.check_destination(out_dir, overwrite)
+        with tempfile.TemporaryDirectory(prefix="tapetrain-prepare-") as tmp:
+            local = os.path.join(tmp, "data")
+            manifest = prepare(sources, tokenizer_path, local, text_key, val_fraction, workers, shard_tokens,
+                               skip_bad, seed, overwrite=False, progress=progress)
+            publish.publish(local, out_dir, progress=progress)
+        return manifest
     out_dir = os.path.abspath(out_dir)
     _check_out_dir(out_dir, overwrite)
     work = _start_work_dir(out_dir)
@@ -267,14 +333,10 @@ def prepare(
     stats = SourceStats()
     try:
         splits = _write_shards(sources, tok, dtype, work, text_key, val_fraction, workers, shard_tokens,
-                               skip_bad, seed, progress, stats)
+                               skip_bad, seed, progress, stats, split_docs_at)
     except BaseException:  # bad input, Ctrl-C, worker crash: out_dir was never touched; drop the work dir
         shutil.rmtree(work, ignore_errors=True)
         raise
-    if val_fraction > 0 and splits["val"]["num_tokens"] == 0:
-        log.warning("val_fraction=%s but no document was assigned to val (only %d documents)", val_fraction,
-                    stats.documents)
-
     manifest = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,
@@ -286,6 +348,7 @@ def prepare(
         "inputs": sources,
         "text_key": text_key,
         "val_fraction": val_fraction,
+        "split_docs_at": split_docs_at,
         "seed": seed,
         "shard_tokens": shard_tokens,
         "num_tokens": sum(s["num_tokens"] for s in splits.values()),

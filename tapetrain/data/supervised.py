@@ -9,8 +9,12 @@ so the model's cross-entropy (ignore_index -100) sees the answer tokens and noth
 Two layouts (data.packing):
   padding (default)  sample i = example i, padded with the pad id to seq_len + 1 tokens;
   packing            sample i = a run of consecutive examples (in store order) filling at most seq_len + 1 tokens,
-                     then padded. Each example keeps its own answer-only loss mask, but attention spans the whole
-                     window (there is no block-diagonal mask), so an example can see the ones packed before it.
+                     then padded. Each example keeps its own answer-only loss mask. With data.document_mask
+                     (the default with packing) every example is its own document: positions restart at its first
+                     token and attention stays inside it, so a packed example computes exactly what it would
+                     padded; with document_mask=false attention spans the whole window.
+With document_mask a sample has a third row, the document id of each token (example k of the pack = k, the
+padding tail one more), and the batch carries doc_ids (B, seq_len) int32.
 Samples go through the same BatchIterator as token shards, so the seeded global order, O(1) resume, the rank-count
 independence and exact resume after SIGKILL carry over unchanged.
 """
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tapetrain.data.documents import TokenBatch
 from tapetrain.data.errors import DataError
 from tapetrain.data.examples import ExampleStore
 
@@ -34,17 +39,26 @@ class ExampleBatch:
 
     input_ids: torch.Tensor  # (B, T) int64
     labels: torch.Tensor  # (B, T) int64, IGNORE_INDEX where no loss
+    doc_ids: torch.Tensor | None = None  # (B, T) int32 with data.document_mask
 
     def to(self, device, non_blocking: bool = False) -> ExampleBatch:
+        docs = None if self.doc_ids is None else self.doc_ids.to(device, non_blocking=non_blocking)
         return ExampleBatch(self.input_ids.to(device, non_blocking=non_blocking),
-                            self.labels.to(device, non_blocking=non_blocking))
+                            self.labels.to(device, non_blocking=non_blocking), docs)
 
 
-def inputs_and_labels(batch: torch.Tensor | ExampleBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def inputs_and_labels(batch: torch.Tensor | ExampleBatch | TokenBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, labels) of a micro batch: an ExampleBatch, or LM token windows (B, T + 1) shifted by one."""
     if isinstance(batch, ExampleBatch):
         return batch.input_ids, batch.labels
+    if isinstance(batch, TokenBatch):
+        batch = batch.tokens
     return batch[:, :-1], batch[:, 1:]
+
+
+def document_ids(batch: torch.Tensor | ExampleBatch | TokenBatch) -> torch.Tensor | None:
+    """The batch's document ids (B, T) int32 (data.document_mask), or None."""
+    return getattr(batch, "doc_ids", None)
 
 
 def pack_boundaries(lengths: np.ndarray, window: int) -> np.ndarray:
@@ -64,13 +78,14 @@ class SupervisedDataset:
     __getitem__, vocab_size, seq_len) plus `collate`."""
 
     def __init__(self, path: str, seq_len: int, split: str = "train", expected_vocab_size: int | None = None,
-                 packing: bool = False):
+                 packing: bool = False, document_mask: bool | None = None):
         if int(seq_len) < 1:
             raise DataError(f"seq_len must be >= 1, got {seq_len}")
         self.store = ExampleStore(path, split, expected_vocab_size)
         self.path, self.split, self.seq_len, self.packing = self.store.path, split, int(seq_len), packing
         self.vocab_size, self.pad_id = self.store.vocab_size, self.store.pad_id
         self.window = self.seq_len + 1
+        self.document_mask = packing if document_mask is None else bool(document_mask)  # None: on when packing
         if self.store.max_length > self.window:
             raise DataError(f"examples {path} ({split}) hold up to {self.store.max_length} tokens but data.seq_len="
                             f"{self.seq_len} fits {self.window} (inputs + the last label); set data.seq_len to at "
@@ -82,27 +97,32 @@ class SupervisedDataset:
         return self.num_samples
 
     def __getitem__(self, index: int) -> np.ndarray:
-        """Sample `index` -> (2, seq_len + 1) int64: tokens and the answer mask."""
+        """Sample `index` -> (2, seq_len + 1) int64: tokens and the answer mask (and document ids: 3 rows)."""
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range [0, {self.num_samples})")
-        out = np.zeros((2, self.window), dtype=np.int64)
+        out = np.zeros((3 if self.document_mask else 2, self.window), dtype=np.int64)
         out[0] = self.pad_id
         members = range(self._packs[index], self._packs[index + 1]) if self._packs is not None else [index]
         pos = 0
-        for i in members:
+        for doc, i in enumerate(members):
             ids, prompt_len = self.store.example(int(i))
             out[0, pos:pos + len(ids)] = ids
             out[1, pos + prompt_len:pos + len(ids)] = 1
+            if self.document_mask:
+                out[2, pos:pos + len(ids)] = doc
             pos += len(ids)
+        if self.document_mask:
+            out[2, pos:] = len(members)  # the padding tail: a document of its own
         return out
 
     @staticmethod
     def collate(samples: list[np.ndarray]) -> ExampleBatch:
-        stacked = torch.from_numpy(np.stack(samples))  # (B, 2, T + 1)
+        stacked = torch.from_numpy(np.stack(samples))  # (B, 2 or 3, T + 1)
         tokens, mask = stacked[:, 0], stacked[:, 1].bool()
         labels = torch.where(mask[:, 1:], tokens[:, 1:], torch.full_like(tokens[:, 1:], IGNORE_INDEX))
-        return ExampleBatch(tokens[:, :-1].contiguous(), labels.contiguous())
+        docs = stacked[:, 2, :-1].to(torch.int32) if stacked.shape[1] == 3 else None
+        return ExampleBatch(tokens[:, :-1].contiguous(), labels.contiguous(), docs)
 
     def __repr__(self) -> str:
         return (f"SupervisedDataset({self.path!r}, split={self.split!r}, seq_len={self.seq_len}, "
-                f"packing={self.packing}, num_samples={self.num_samples})")
+                f"packing={self.packing}, document_mask={self.document_mask}, num_samples={self.num_samples})")

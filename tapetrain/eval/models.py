@@ -11,6 +11,7 @@ import torch
 
 from tapetrain.distributed import local_device
 from tapetrain.errors import InputError, MissingInputError
+from tapetrain.model.sequence_shard import SequenceShard
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -36,6 +37,27 @@ class EvalModel:
     device: torch.device
     dtype: str
     tokenizer_sha256: str | None = None  # of the tokenizer the model was trained with, when known
+    shard: SequenceShard | None = None  # sequence parallelism (run models): set by shard_sequence
+
+    def shard_sequence(self, shard: SequenceShard | None) -> None:
+        """Sequence parallelism from now on (tapetrain.eval.sequence_parallel): logits_span and greedy_rows take
+        whole sequences and compute this rank's slice of each."""
+        if shard is not None and self.kind != "run":
+            raise InputError(f"sequence parallelism needs a run directory, not the Hugging Face model {self.name}")
+        if self.kind == "run":
+            self.module.shard_sequence(shard)
+        self.shard = shard
+
+    @torch.no_grad()
+    def logits_span(self, ids: torch.Tensor, keep_last: int | None = None) -> tuple[torch.Tensor, int]:
+        """ids (B, L) -> (logits (B, k, V) of positions first .. first + k − 1, first): the last keep_last positions
+        (all without it), or under sequence parallelism this rank's part of them (k = 0 on a rank holding none)."""
+        keep = keep_last or ids.shape[1]
+        if self.shard is None:
+            return self.logits(ids, keep), ids.shape[1] - keep
+        from tapetrain.eval.sequence_parallel import sharded_logits
+
+        return sharded_logits(self.module, self.shard, ids.to(self.device), keep)
 
     @torch.no_grad()
     def logits(self, ids: torch.Tensor, keep_last: int | None = None) -> torch.Tensor:
@@ -52,8 +74,13 @@ class EvalModel:
     ) -> torch.Tensor:
         """ids (B, T), every row a real prompt (no padding) -> greedy continuations (B, new_tokens). A Hugging Face
         model never picks EOS (suppress_eos) or stops at it (suppress_eos=False: fewer columns when every row
-        ended, shorter rows padded with id 0); a run model always decodes new_tokens plain argmax ids."""
+        ended, shorter rows padded with id 0); a run model always decodes new_tokens plain argmax ids (under
+        sequence parallelism without a KV cache, tapetrain.eval.sequence_parallel)."""
         ids = ids.to(self.device)
+        if self.shard is not None:
+            from tapetrain.eval.sequence_parallel import sharded_greedy
+
+            return sharded_greedy(self.module, self.shard, ids, new_tokens).cpu()
         if self.kind == "hf":
             mask = torch.ones_like(ids)
             out = self.module.generate(
@@ -85,10 +112,11 @@ def _file_sha256(path: str | None) -> str | None:
     return file_sha256(path)
 
 
-def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, device: torch.device | None = None
-                    ) -> EvalModel:
+def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, device: torch.device | None = None,
+                    compile: bool | None = None) -> EvalModel:
     """Load MODEL: a run/checkpoint directory (via run_loader, newest complete checkpoint or `step`) or a Hugging
-    Face model directory (transformers; trust_remote_code for tapetrain's non-RoPE exports)."""
+    Face model directory (transformers; trust_remote_code for tapetrain's non-RoPE exports). `compile` replaces
+    the run's model.compile (None keeps it)."""
     from tapetrain.checkpoint.run_loader import is_run_or_checkpoint, load_run_model
 
     if dtype not in DTYPES:
@@ -98,7 +126,7 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
         raise MissingInputError(f"model {path} does not exist; pass a Hugging Face export directory (tapetrain "
                                 "export hf) or a run directory")
     if is_run_or_checkpoint(path):
-        model, info = load_run_model(path, step)
+        model, info = load_run_model(path, step, compile=compile)
         model = model.to(device=device, dtype=DTYPES[dtype]).eval()
         name = f"{path}@step{info['step']}"
         sha = info["trainer_state"].get("tokenizer_sha256") or _file_sha256(info["tokenizer"])

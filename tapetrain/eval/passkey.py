@@ -17,7 +17,8 @@
              "memorize it". The model greedily decodes as many tokens as the answer has (batched prompts of equal
              length, KV cache); exact match of the decoded text with X counts as correct. Prompt batches are
              split over ranks under torchrun/deepspeed and the records gathered, so every rank count gives the
-             same records.
+             same records. With --sequence-parallel N each group of N ranks decodes the same batches, each rank
+             holding a slice of every prompt, greedily without a KV cache (tapetrain.eval.sequence_parallel).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tapetrain.errors import InputError
 from tapetrain.eval import passkey_reference as ref
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_passkey_table, plot_passkey, write_json_atomic
+from tapetrain.eval.sequence_parallel import check_sequence_parallel, start_sequence_parallel
 from tapetrain.progress import format_duration
 from tapetrain.progress import progress as progress_bar
 
@@ -380,7 +382,8 @@ def passkey_report(
                  "question": ref.QUESTION, "separator": "\n"}
         report.update(trials=results[0]["trials"], seed=None, reference=settings.script, max_tokens=max_tokens,
                       interval=interval)
-    report.update(world_size=ranks.world_size, results=results, prompt_texts=texts)
+    report.update(world_size=ranks.world_size, sequence_parallel=ranks.sequence_parallel, results=results,
+                  prompt_texts=texts)
     return report
 
 
@@ -400,6 +403,7 @@ def run_eval_passkey(
     step: int | None = None,
     out: str | None = None,
     plot: str | None = None,
+    sequence_parallel: int = 1,
 ) -> dict:
     """Passkey retrieval across context lengths: a pass key hidden in filler text, then asked for.
 
@@ -428,11 +432,19 @@ def run_eval_passkey(
         step: run directories: checkpoint step (default newest)
         out: result JSON
         plot: PNG of accuracy vs length (with --depths: the heatmap of accuracy per length and depth)
+        sequence_parallel: ranks that share each prompt (DeepSpeed-Ulysses), each holding 1/N of its tokens, for
+            prompts one GPU cannot hold; greedy decoding then recomputes the whole prompt per answer token (no KV
+            cache); needs a run directory and a launch of a multiple of N ranks (torchrun/deepspeed); the answers
+            equal one process's
     """
     resolve_passkey_args(protocol, lengths, seed, max_tokens, interval, depths, batch_size)
+    check_sequence_parallel(sequence_parallel, model_path, step, generation=True)
     ranks = init_eval_ranks()
     try:
-        model = load_eval_model(model_path, dtype, step)
+        ranks, shard = start_sequence_parallel(ranks, sequence_parallel)
+        # Uncompiled under sequence parallelism: training refuses the all-to-all inside compiled layers too.
+        model = load_eval_model(model_path, dtype, step, compile=False if shard else None)
+        model.shard_sequence(shard)
         seed_eval()
         tok = load_tokenizer(model, tokenizer)
         report = passkey_report(model, tok, protocol, lengths=lengths, trials=trials, seed=seed, depths=depths,

@@ -1,7 +1,9 @@
 """Perplexity across context lengths: token-weighted PPL = exp(total NLL / total scored tokens).
 
 Windows (tapetrain.eval.windows) are split over ranks when launched with torchrun/deepspeed; the NLL sums,
-token and window counts are all-reduced, so every rank reports the same numbers.
+token and window counts are all-reduced, so every rank reports the same numbers. With --sequence-parallel N the
+windows are split over the W/N groups and each rank of a group scores the predictions of its slice of a window
+(tapetrain.eval.sequence_parallel); the same all-reduce adds the group's partial sums.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tapetrain.distributed import EvalRanks, all_reduce_sum, init_eval_ranks
 from tapetrain.errors import InputError
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
 from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json, write_json_atomic
+from tapetrain.eval.sequence_parallel import check_sequence_parallel, start_sequence_parallel
 from tapetrain.eval.tokens import EvalTokens, open_eval_tokens
 from tapetrain.eval.windows import LONGLORA_EVAL_BATCH, Window, aggregate, make_windows, tokens_needed
 from tapetrain.progress import progress as progress_bar
@@ -30,7 +33,8 @@ DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 def score_windows(
     model: EvalModel, tokens: EvalTokens, windows: list[Window], length: int, batch_size: int, show: bool
 ) -> list[float]:
-    """NLL sum (nats) of each window's scored predictions, batch_size windows per forward."""
+    """NLL sum (nats) of each window's scored predictions, batch_size windows per forward; under sequence
+    parallelism of the predictions this rank holds (the group's sums add up to the window's)."""
     nll: list[float] = []
     bar = progress_bar(total=sum(w.tokens for w in windows), unit="tok", unit_scale=True, disable=not show,
                        desc=f"ppl@{length}")
@@ -38,11 +42,16 @@ def score_windows(
         batch = windows[i:i + batch_size]
         chunks = [tokens.read(w.start, w.start + max(length, w.score_to + 1)) for w in batch]
         ids = torch.from_numpy(np.stack([c[:length] for c in chunks]))  # (B, L)
-        first = min(w.score_from for w in batch)
-        logits = model.logits(ids, keep_last=length - first)  # (B, L - first, V): position j at j - first
+        keep = length - min(w.score_from for w in batch)
+        logits, first = model.logits_span(ids, keep_last=keep)  # (B, k, V): position j at j - first
+        stop = first + logits.shape[1]
         for row, (w, chunk) in enumerate(zip(batch, chunks, strict=True)):
-            targets = torch.from_numpy(chunk[w.score_from + 1:w.score_to + 1]).to(logits.device)
-            scored = logits[row, w.score_from - first:w.score_to - first].float()
+            lo, hi = max(w.score_from, first), min(w.score_to, stop)  # the scored positions held here
+            if lo >= hi:
+                nll.append(0.0)
+                continue
+            targets = torch.from_numpy(chunk[lo + 1:hi + 1]).to(logits.device)
+            scored = logits[row, lo - first:hi - first].float()
             nll.append(float(F.cross_entropy(scored, targets, reduction="sum")))
         bar.update(sum(w.tokens for w in batch))
     bar.close()
@@ -87,7 +96,7 @@ def evaluate_ppl(
         per_window = [0.0] * len(windows)  # every rank fills its own windows; the sum over ranks fills them all
         for i, value in zip(mine, scored, strict=True):
             per_window[i] = value
-        per_window = all_reduce_sum(per_window, model.device)
+        per_window = all_reduce_sum(per_window, model.device)  # with sequence parallelism: + the group's parts
         counts = [w.tokens for w in windows]
         summary = aggregate(protocol, per_window, counts, reference_batch_size)
         results.append({"length": length, "ppl": summary["ppl"], "nll": summary["nll"],
@@ -148,6 +157,7 @@ def ppl_report(
         "data_tokens": tokens.num_tokens,
         "trained_context": model.max_seq_len,
         "world_size": ranks.world_size,
+        "sequence_parallel": ranks.sequence_parallel,
         "results": results,
     }
 
@@ -171,6 +181,7 @@ def run_eval_ppl(
     split: Literal["val", "train"] | None = None,
     reference_ranks: int = 1,
     reference_batch_size: int | None = None,
+    sequence_parallel: int = 1,
 ) -> dict:
     """Perplexity across context lengths (token-weighted; several ranks under torchrun/deepspeed).
 
@@ -199,13 +210,20 @@ def run_eval_ppl(
         reference_ranks: longlora: the GPUs the reference ran on; DistributedSampler then repeats windows to a
             multiple of R (1: no repeats)
         reference_batch_size: longlora-eval: windows per averaged batch, eval.py's --batch_size (default 32)
+        sequence_parallel: ranks that share each window (DeepSpeed-Ulysses), each holding length / N of its
+            tokens, for lengths one GPU cannot hold; needs a run directory, a launch of a multiple of N ranks
+            (torchrun/deepspeed) and lengths that are multiples of N; the numbers equal one process's
     """
     protocol = resolve_protocol(protocol, stride, reference_ranks, reference_batch_size)
     lengths = sorted(set(lengths or DEFAULT_LENGTHS))
     compared = [read_json(p) for p in compare or []]  # fail on a bad --compare file before the long part
+    check_sequence_parallel(sequence_parallel, model_path, step, lengths)
     ranks = init_eval_ranks()
     try:
-        model = load_eval_model(model_path, dtype, step)
+        ranks, shard = start_sequence_parallel(ranks, sequence_parallel)
+        # Uncompiled under sequence parallelism: training refuses the all-to-all inside compiled layers too.
+        model = load_eval_model(model_path, dtype, step, compile=False if shard else None)
+        model.shard_sequence(shard)
         seed_eval()
         tokens = open_model_tokens(model, data, tokenizer=tokenizer, token_dtype=token_dtype, split=split,
                                    max_tokens=max_tokens)

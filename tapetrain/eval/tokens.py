@@ -120,6 +120,13 @@ def open_eval_tokens(
         raise InputError(f"--token-dtype {token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
     if split is not None and split not in SPLITS:
         raise InputError(f"--split {split!r} is not one of {', '.join(SPLITS)}")
+    from tapetrain.data.remote import is_remote
+
+    if is_remote(path):  # a prepared dataset in object storage: its shards through the node's cache
+        try:
+            return _open_shards(path, token_dtype, split)
+        except DataError as err:
+            raise InputError(f"eval data: {err}") from err
     if split is not None and not os.path.isdir(path):
         raise InputError(f"--split applies to shard directories written by `tapetrain data prepare`, not {path}; "
                          "drop it")

@@ -16,6 +16,10 @@ e (B, H, S, De): the heads-first view of TAPE's token-major E (B, S, M, De)); fl
 tensors are transposed on the way in and out. Causal masking in flash-attn >= 2.1 is bottom-right aligned,
 matching tapetrain. flash-attn does GQA natively when k and v share a head count; when Hk != Hv both are expanded
 to lcm(Hk, Hv) heads (repeat_interleave; a no-op for TAPE's keys, which already have H heads).
+
+Packed documents (docs, a tapetrain.model.documents.DocumentMask): every (row, document) becomes one sequence of
+flash_attn_varlen_func, with cu_seqlens built from the ids; causal alignment is bottom-right per sequence, which
+is what a query block of xPos (queries [first, stop) against keys [:stop]) needs too.
 """
 
 from __future__ import annotations
@@ -48,14 +52,52 @@ def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
     return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
-def _flash(q, k, v, *, causal: bool, scale: float) -> torch.Tensor:
+def _flash(q, k, v, *, causal: bool, scale: float, docs=None) -> torch.Tensor:
     """flash_attn_func on heads-first tensors; pads q/k or v so the head dims agree. Returns (B, H, T, Dv)."""
+    if docs is not None:
+        return _flash_varlen(q, k, v, causal=causal, scale=scale, docs=docs)
     fn = _flash_attn_func()
     dv = v.shape[-1]
     width = max(q.shape[-1], dv)
     q, k, v = (_pad_last(x, width).transpose(1, 2) for x in (q, k, v))  # (B, T|S, heads, W)
     out = fn(q, k, v, dropout_p=0.0, softmax_scale=scale, causal=causal)  # (B, T, H, W)
     return out[..., :dv].transpose(1, 2)
+
+
+def cu_seqlens(q_ids: torch.Tensor, k_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """Document ids (B, T) of queries and (B, S) of keys -> (cu_seqlens_q, cu_seqlens_k) int32 (N + 1,) over the N
+    (row, document) pairs that have keys, in order, and the longest query and key run. A document may have no
+    queries (an earlier document of an xPos query block): its query length is 0."""
+    b = q_ids.shape[0]
+    base = int(k_ids.min())
+    span = int(k_ids.max()) - base + 1
+    rows = torch.arange(b, device=q_ids.device)[:, None] * span
+    n = b * span
+    count_q = torch.bincount((q_ids.long() - base + rows).flatten(), minlength=n)
+    count_k = torch.bincount((k_ids.long() - base + rows).flatten(), minlength=n)
+    keep = count_k > 0
+    count_q, count_k = count_q[keep], count_k[keep]
+    zero = count_q.new_zeros(1)
+    cu_q = torch.cat([zero, count_q.cumsum(0)]).to(torch.int32)
+    cu_k = torch.cat([zero, count_k.cumsum(0)]).to(torch.int32)
+    return cu_q, cu_k, int(count_q.max()), int(count_k.max())
+
+
+def _flash_varlen(q, k, v, *, causal: bool, scale: float, docs) -> torch.Tensor:
+    """flash_attn_varlen_func over (row, document) sequences; shapes as `_flash`."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError as err:
+        raise ImportError("flash-attn is not installed; set model.attn_backend=auto") from err
+    b, h, t, _ = q.shape
+    dv = v.shape[-1]
+    width = max(q.shape[-1], dv)
+    cu_q, cu_k, max_q, max_k = cu_seqlens(docs.q_ids, docs.k_ids)
+    # (B, H, T, ·) -> token-major packed (B·T, H, W): rows are concatenated, documents are contiguous within them
+    q, k, v = (_pad_last(x, width).transpose(1, 2).reshape(-1, x.shape[1], width) for x in (q, k, v))
+    out = flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale,
+                                 causal=causal)  # (B·T, H, W)
+    return out.view(b, t, h, width)[..., :dv].transpose(1, 2)
 
 
 def flash_tape_attention(
@@ -67,8 +109,10 @@ def flash_tape_attention(
     causal: bool = True,
     scale: float | None = None,
     strategy: str = "auto",
+    docs=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Returns (A·V (B, H, T, Dv), A·E (B, H, T, De) or None) using flash-attn; see the module docstring."""
+    """Returns (A·V (B, H, T, Dv), A·E (B, H, T, De) or None) using flash-attn; see the module docstring.
+    docs: a DocumentMask (packed documents) or None."""
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if q.dtype not in (torch.float16, torch.bfloat16):
@@ -80,16 +124,16 @@ def flash_tape_attention(
         n_kv = math.lcm(hk, hv)
         k, v = _expand(k, n_kv), _expand(v, n_kv)
     if e is None:
-        return _flash(q, k, v, causal=causal, scale=scale), None
+        return _flash(q, k, v, causal=causal, scale=scale, docs=docs), None
 
     k_full = _expand(k, n_heads)  # e has one head per query head, so its call needs H key heads
     if strategy in ("auto", "two_calls"):
-        o = _flash(q, k, v, causal=causal, scale=scale)
-        o_e = _flash(q, k_full, e, causal=causal, scale=scale)
+        o = _flash(q, k, v, causal=causal, scale=scale, docs=docs)
+        o_e = _flash(q, k_full, e, causal=causal, scale=scale, docs=docs)
         return o, o_e
 
     dv, de = v.shape[-1], e.shape[-1]
     width = max(q.shape[-1], dv + de)
     values = _pad_last(torch.cat([_expand(v, n_heads), e], dim=-1), width)  # (B, H, S, W)
-    out = _flash(_pad_last(q, width), _pad_last(k_full, width), values, causal=causal, scale=scale)
+    out = _flash(_pad_last(q, width), _pad_last(k_full, width), values, causal=causal, scale=scale, docs=docs)
     return out[..., :dv], out[..., dv : dv + de]

@@ -27,9 +27,14 @@ Constraints / notes:
     ≥ 16) and the padding columns are masked on load/store; padding costs compute, so prefer powers of two.
   * Query rows that can see no key (only possible with causal and T > S) return 0 (eager returns NaN).
   * fp32 inputs on CUDA use tf32 dots iff torch.backends.cuda.matmul.allow_tf32, else IEEE fp32.
-  * TRITON_INTERPRET=1 must be set before this module is imported to run on CPU (triton.jit reads it at
-    decoration time); the interpreter uses small 16×16 tiles.
+  * TRITON_INTERPRET=1 must be set before triton is first imported to run on CPU (triton.jit reads it at
+    decoration time, and since triton 3.9 parts of triton.language such as tl.zeros are @triton.jit functions
+    built at triton's import); the interpreter uses small 16×16 tiles.
   * Not double-differentiable.
+  * Packed documents (q_doc (B, T), k_doc (B, S) int ids, contiguous runs, non-decreasing along a row): a query
+    attends only to keys of its own document. Besides the per-pair mask inside a tile, whole key tiles outside the
+    query tile's documents are skipped: the wrapper gives each query the key range of its document
+    (QLO/QHI, searchsorted on the sorted ids) and each key its query range (KLO/KHI), which bound the loops.
 """
 
 from __future__ import annotations
@@ -52,6 +57,29 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _doc_key_range(QLO, QHI, b, pid_m, T, hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Key range [lo, hi) of query tile pid_m's documents: from the first row's document start (rounded down to a
+    # key tile) to the last row's document end (ids are non-decreasing, so these bound every row's keys).
+    first = pid_m * BLOCK_M
+    last = tl.minimum(first + BLOCK_M, T) - 1
+    lo = tl.load(QLO + b * T + first)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    hi = tl.minimum(hi, tl.load(QHI + b * T + last))
+    return lo, hi
+
+
+@triton.jit
+def _doc_query_range(KLO, KHI, b, pid_n, S, lo, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Query range [lo, hi) of key tile pid_n's documents (the transpose of _doc_key_range).
+    first = pid_n * BLOCK_N
+    last = tl.minimum(first + BLOCK_N, S) - 1
+    lo = tl.maximum(lo, tl.load(KLO + b * S + first))
+    lo = (lo // BLOCK_M) * BLOCK_M
+    hi = tl.minimum(T, tl.load(KHI + b * S + last))
+    return lo, hi
+
+
+@triton.jit
 def _fwd_kernel(
     Q, K, V, E, Out, OutE, LSE,
     sqb, sqh, sqt, sqd,
@@ -60,9 +88,10 @@ def _fwd_kernel(
     seb, seh, ses, sed,
     sob, soh, sot, sod,
     seob, seoh, seot, seod,
+    QDOC, KDOC, QLO, QHI,
     H, T, S, D, DV, DE, GROUP_K, GROUP_V,
     scale_log2,
-    CAUSAL: tl.constexpr, HAS_E: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_E: tl.constexpr, PRECISION: tl.constexpr, HAS_DOC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DE: tl.constexpr,
 ):  # fmt: skip
@@ -94,7 +123,11 @@ def _fwd_kernel(
     hi = S
     if CAUSAL:  # keys beyond the last row's position are fully masked: skip those tiles
         hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + off)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_DOC:  # only the key tiles of this query tile's documents
+        q_doc = tl.load(QDOC + b * T + offs_m, mask=m_ok, other=-1)
+        lo, hi = _doc_key_range(QLO, QHI, b, pid_m, T, hi, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < S
         kt = tl.load(
@@ -106,6 +139,9 @@ def _fwd_kernel(
         valid = n_ok[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + off)
+        if HAS_DOC:
+            k_doc = tl.load(KDOC + b * S + offs_n, mask=n_ok, other=-2)
+            valid = valid & (q_doc[:, None] == k_doc[None, :])
         qk = tl.where(valid, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet: avoid inf - inf
@@ -156,12 +192,13 @@ def _bwd_dkdv_kernel(
     sdkb, sdkh, sdks, sdkd,
     sdvb, sdvh, sdvs, sdvd,
     sdeb, sdeh, sdes, sded,
+    QDOC, KDOC, KLO, KHI,
     H, T, S, D, DV, DE, GROUP_K, GROUP_V,
     scale, scale_log2,
     CAUSAL: tl.constexpr, USE_V: tl.constexpr, USE_E: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DE: tl.constexpr,
-    DO_DKDV: tl.constexpr = True, DO_DE: tl.constexpr = True,
+    DO_DKDV: tl.constexpr = True, DO_DE: tl.constexpr = True, HAS_DOC: tl.constexpr = False,
 ):  # fmt: skip
     # One program per (key tile, query head h, b): dk/dv/de of that key tile as seen by query head h.
     # USE_V / USE_E: whether do / do_e exist (a None upstream grad drops that stream's terms).
@@ -208,7 +245,11 @@ def _bwd_dkdv_kernel(
     if CAUSAL:  # queries before this tile's first key position see none of it
         lo = tl.maximum(0, pid_n * BLOCK_N - off)
         lo = (lo // BLOCK_M) * BLOCK_M
-    for start_m in range(lo, T, BLOCK_M):
+    hi = T
+    if HAS_DOC:  # only the query tiles of this key tile's documents
+        k_doc = tl.load(KDOC + b * S + offs_n, mask=n_ok, other=-2)
+        lo, hi = _doc_query_range(KLO, KHI, b, pid_n, S, lo, T, BLOCK_M, BLOCK_N)
+    for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
         m_ok = offs_m < T
         qt = tl.load(
@@ -221,6 +262,9 @@ def _bwd_dkdv_kernel(
         valid = n_ok[:, None] & m_ok[None, :]
         if CAUSAL:
             valid = valid & (offs_n[:, None] <= offs_m[None, :] + off)
+        if HAS_DOC:
+            q_doc = tl.load(QDOC + b * T + offs_m, mask=m_ok, other=-1)
+            valid = valid & (k_doc[:, None] == q_doc[None, :])
         qkt = tl.dot(k, qt, input_precision=PRECISION) * scale_log2  # (BN, BM)
         pt = tl.where(valid, tl.exp2(qkt - lse2[None, :]), 0.0)  # P^T, fp32
         if USE_E:
@@ -277,9 +321,11 @@ def _bwd_dq_kernel(
     sdob, sdoh, sdot, sdod,
     sdeob, sdeoh, sdeot, sdeod,
     sdqb, sdqh, sdqt, sdqd,
+    QDOC, KDOC, QLO, QHI,
     H, T, S, D, DV, DE, GROUP_K, GROUP_V,
     scale, scale_log2,
     CAUSAL: tl.constexpr, USE_V: tl.constexpr, USE_E: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_DOC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_DE: tl.constexpr,
 ):  # fmt: skip
@@ -323,7 +369,11 @@ def _bwd_dq_kernel(
     hi = S
     if CAUSAL:
         hi = tl.minimum(S, (pid_m + 1) * BLOCK_M + off)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if HAS_DOC:
+        q_doc = tl.load(QDOC + b * T + offs_m, mask=m_ok, other=-1)
+        lo, hi = _doc_key_range(QLO, QHI, b, pid_m, T, hi, BLOCK_M, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         n_ok = offs_n < S
         k = tl.load(
@@ -335,6 +385,9 @@ def _bwd_dq_kernel(
         valid = m_ok[:, None] & n_ok[None, :]
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + off)
+        if HAS_DOC:
+            k_doc = tl.load(KDOC + b * S + offs_n, mask=n_ok, other=-2)
+            valid = valid & (q_doc[:, None] == k_doc[None, :])
         p = tl.where(valid, tl.exp2(qk - lse2[:, None]), 0.0)
         dp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         if USE_V:
@@ -386,6 +439,22 @@ def force_config(kind: str, config: _Config | None) -> None:
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _check_interpreter_ready() -> None:
+    """Under TRITON_INTERPRET=1, triton's own @jit library functions (tl.zeros since triton 3.9) must have been
+    built for the interpreter, i.e. triton imported after the variable was set; else the interpreter fails deep in
+    the kernel with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    stale = [f for f in (getattr(tl, "zeros", None), getattr(tl, "cdiv", None)) if isinstance(f, JITFunction)]
+    if any(not isinstance(f, InterpretedFunction) for f in stale) or not isinstance(_fwd_kernel, InterpretedFunction):
+        raise RuntimeError(
+            "TRITON_INTERPRET=1 was set after triton was imported (DeepSpeed, transformers and torch.compile import "
+            "it), so triton's library functions were built for the GPU compiler, not the CPU interpreter; set "
+            "TRITON_INTERPRET=1 in the environment before anything imports triton (e.g. on the command line)"
+        )
 
 
 # Launch configs per (arch, kernel, padded head dim), in order of preference: the first is the fastest measured on
@@ -530,8 +599,10 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor | 
         raise ValueError(f"q, k, v, e must share one of fp32/fp16/bf16; got {[t.dtype for t in tensors]}")
     if any(t.device != q.device for t in tensors):
         raise ValueError("q, k, v, e must be on one device")
-    if q.device.type != "cuda" and not _interpreting():
-        raise RuntimeError("tape_attention runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
+    if q.device.type != "cuda":
+        if not _interpreting():
+            raise RuntimeError("tape_attention runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
+        _check_interpreter_ready()
 
 
 def _dims(q, k, v, e):
@@ -554,19 +625,34 @@ def _unit_last_stride(x: torch.Tensor | None) -> torch.Tensor | None:
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
-def _forward(q, k, v, e, causal: bool, scale: float):
+def _doc_ranges(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, dummy: torch.Tensor):
+    """(q_doc (B, T), k_doc (B, S), q_lo, q_hi (B, T), k_lo, k_hi (B, S)) int32 contiguous: each query's key
+    range [q_lo, q_hi) and each key's query range [k_lo, k_hi) of its document; dummies without documents."""
+    if q_doc is None:
+        return (dummy,) * 6
+    q_doc, k_doc = q_doc.to(torch.int32).contiguous(), k_doc.to(torch.int32).contiguous()
+    q_lo = torch.searchsorted(k_doc, q_doc, side="left").to(torch.int32)
+    q_hi = torch.searchsorted(k_doc, q_doc, side="right").to(torch.int32)
+    k_lo = torch.searchsorted(q_doc, k_doc, side="left").to(torch.int32)
+    k_hi = torch.searchsorted(q_doc, k_doc, side="right").to(torch.int32)
+    return q_doc, k_doc, q_lo, q_hi, k_lo, k_hi
+
+
+def _forward(q, k, v, e, causal: bool, scale: float, q_doc=None, k_doc=None):
     b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
     o = _token_major(q, b, h, t, dv)
     oe = _token_major(q, b, h, t, de) if e is not None else None
     lse = torch.empty(b, h, t, device=q.device, dtype=torch.float32)
     bd, bdv, bde = _pad(d), _pad(dv), _pad(max(de, 1))
     key = ("fwd", q.device.index, q.dtype, bd, bdv, bde if e is not None else 0)
+    qd, kd, q_lo, q_hi, _, _ = _doc_ranges(q_doc, k_doc, lse)
     _launch(
         _fwd_kernel, "fwd", key, lambda bm, bn: (triton.cdiv(t, bm), h, b), bd, q.dtype,
         q, k, v, e if e is not None else v, o, oe if oe is not None else o, lse,
         *q.stride(), *k.stride(), *v.stride(), *_strides(e), *o.stride(), *_strides(oe),
+        qd, kd, q_lo, q_hi,
         h, t, s, d, dv, max(de, 1), gk, gv, scale * LOG2E,
-        CAUSAL=causal, HAS_E=e is not None, PRECISION=_precision(q.dtype),
+        CAUSAL=causal, HAS_E=e is not None, PRECISION=_precision(q.dtype), HAS_DOC=q_doc is not None,
         BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_DE=bde,
     )  # fmt: skip
     return o, oe, lse
@@ -580,7 +666,8 @@ def _sum_groups(per_head: torch.Tensor, groups: int, dtype: torch.dtype) -> torc
     return out
 
 
-def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, needs: tuple[bool, ...]):
+def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, needs: tuple[bool, ...],
+                   q_doc=None, k_doc=None):
     """(dq, dk, dv, de, None, None); `needs` says which of q, k, v, e want a gradient."""
     need_q, need_k, need_v, need_e = needs
     use_v = do is not None
@@ -605,7 +692,8 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
     do_ = do if use_v else q
     doe_ = doe if use_e else q
     common = dict(CAUSAL=causal, USE_V=use_v, USE_E=use_e, PRECISION=_precision(q.dtype),
-                  BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_DE=bde)  # fmt: skip
+                  BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_DE=bde, HAS_DOC=q_doc is not None)  # fmt: skip
+    qd, kd, q_lo, q_hi, k_lo, k_hi = _doc_ranges(q_doc, k_doc, lse)
     key_tail = (q.device.index, q.dtype, bd, bdv, bde, use_v, use_e)
 
     dq = dk = dv_ = de_ = None
@@ -615,6 +703,7 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
             _bwd_dq_kernel, "dq", ("dq", *key_tail), lambda bm, bn: (triton.cdiv(t, bm), h, b), bd, q.dtype,
             q, k, v, e_, do_, doe_, lse, delta, dq,
             *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_), *dq.stride(),
+            qd, kd, q_lo, q_hi,
             h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E, **common,
         )  # fmt: skip
     if need_k or need_v or need_e:
@@ -626,6 +715,7 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
             q, k, v, e_, do_, doe_, lse, delta, dk_h, dv_h, de_h,
             *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_),
             *dk_h.stride(), *dv_h.stride(), *de_h.stride(),
+            qd, kd, k_lo, k_hi,
             h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E,
         )  # fmt: skip
         grid = lambda bm, bn: (triton.cdiv(s, bn), h, b)  # noqa: E731
@@ -650,15 +740,16 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
 @torch.library.custom_op(
     "tapetrain::tape_attention_fwd",
     mutates_args=(),
-    schema="(Tensor q, Tensor k, Tensor v, Tensor? e, bool causal, float scale) -> (Tensor, Tensor, Tensor)",
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? e, bool causal, float scale, Tensor? q_doc=None, "
+    "Tensor? k_doc=None) -> (Tensor, Tensor, Tensor)",
 )
-def _fwd_op(q, k, v, e, causal, scale):
-    o, oe, lse = _forward(q, k, v, e, causal, scale)
+def _fwd_op(q, k, v, e, causal, scale, q_doc=None, k_doc=None):
+    o, oe, lse = _forward(q, k, v, e, causal, scale, q_doc, k_doc)
     return o, (oe if oe is not None else q.new_empty(0)), lse  # ops return tensors: empty stands for "no E"
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, e, causal, scale):
+def _fwd_fake(q, k, v, e, causal, scale, q_doc=None, k_doc=None):
     b, h, t, _, _, dv, de, _, _ = _dims(q, k, v, e)
     oe = _token_major(q, b, h, t, de) if e is not None else q.new_empty(0)
     return _token_major(q, b, h, t, dv), oe, q.new_empty(b, h, t, dtype=torch.float32)
@@ -668,15 +759,16 @@ def _fwd_fake(q, k, v, e, causal, scale):
     "tapetrain::tape_attention_bwd",
     mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor? e, Tensor o, Tensor? oe, Tensor lse, Tensor? do, Tensor? doe, "
-    "bool causal, float scale, bool[] needs) -> (Tensor, Tensor, Tensor, Tensor)",
+    "bool causal, float scale, bool[] needs, Tensor? q_doc=None, Tensor? k_doc=None) -> (Tensor, Tensor, Tensor, "
+    "Tensor)",
 )
-def _bwd_op(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs):
-    grads = _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal, scale, tuple(needs))[:4]
+def _bwd_op(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs, q_doc=None, k_doc=None):
+    grads = _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal, scale, tuple(needs), q_doc, k_doc)[:4]
     return tuple(g if g is not None else q.new_empty(0) for g in grads)
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs):
+def _bwd_fake(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs, q_doc=None, k_doc=None):
     b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
     empty = q.new_empty(0)
     use_e = doe is not None and e is not None
@@ -691,21 +783,22 @@ def _bwd_fake(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, e, causal, scale = inputs
+    q, k, v, e, causal, scale, q_doc, k_doc = (*inputs, None, None)[:8]
     o, oe, lse = output
-    ctx.save_for_backward(q, k, v, e, o, oe if e is not None else None, lse)
+    ctx.save_for_backward(q, k, v, e, o, oe if e is not None else None, lse, q_doc, k_doc)
     ctx.causal, ctx.scale = causal, scale
     ctx.set_materialize_grads(False)  # a None upstream grad stays None: that stream's terms are skipped
 
 
 def _autograd_backward(ctx, do, doe, _dlse):
-    q, k, v, e, o, oe, lse = ctx.saved_tensors
+    q, k, v, e, o, oe, lse, q_doc, k_doc = ctx.saved_tensors
     needs = [bool(x) for x in ctx.needs_input_grad[:4]]
-    grads = _bwd_op(q, k, v, e, o, oe, lse, do, doe if e is not None else None, ctx.causal, ctx.scale, needs)
+    grads = _bwd_op(q, k, v, e, o, oe, lse, do, doe if e is not None else None, ctx.causal, ctx.scale, needs,
+                    q_doc, k_doc)
     # an empty result stands for "no gradient" (not needed, or its stream had no upstream grad)
     inputs = (q, k, v, e)
     kept = [g if n and (g.numel() or not x.numel()) else None for g, n, x in zip(grads, needs, inputs, strict=True)]
-    return *kept, None, None
+    return (*kept, *[None] * (len(ctx.needs_input_grad) - 4))
 
 
 torch.library.register_autograd("tapetrain::tape_attention_fwd", _autograd_backward, setup_context=_setup_context)
@@ -719,10 +812,21 @@ def tape_attention(
     *,
     causal: bool = True,
     scale: float | None = None,
+    q_doc: torch.Tensor | None = None,
+    k_doc: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Fused attention returning (A·V (B, H, T, Dv), A·E (B, H, T, De) or None); see the module docstring."""
+    """Fused attention returning (A·V (B, H, T, Dv), A·E (B, H, T, De) or None); see the module docstring.
+    q_doc (B, T), k_doc (B, S): document ids of queries and keys (packed documents), or None."""
     _check(q, k, v, e)
+    if (q_doc is None) != (k_doc is None):
+        raise ValueError("tape_attention takes document ids for both queries and keys, or neither")
+    if q_doc is not None and (q_doc.shape != (q.shape[0], q.shape[2]) or k_doc.shape != (k.shape[0], k.shape[2])):
+        raise ValueError(f"q_doc must be (B, T) and k_doc (B, S); got {tuple(q_doc.shape)}, {tuple(k_doc.shape)}")
     q, k, v, e = (_unit_last_stride(x) for x in (q, k, v, e))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    o, oe, _ = _fwd_op(q, k, v, e, bool(causal), scale)
+    if q_doc is None:
+        o, oe, _ = _fwd_op(q, k, v, e, bool(causal), scale)
+    else:
+        q_doc, k_doc = q_doc.to(torch.int32).contiguous(), k_doc.to(torch.int32).contiguous()
+        o, oe, _ = _fwd_op(q, k, v, e, bool(causal), scale, q_doc, k_doc)
     return o, (oe if e is not None else None)

@@ -20,8 +20,13 @@ Shapes (heads-first, like SDPA):
 Causal masking is aligned bottom-right: query t (of T) sits at absolute position S - T + t, so the same call works
 for a full forward (T == S) and for incremental decoding with a KV cache (T < S).
 
+docs (tapetrain.model.documents.DocumentMask, or None): packed documents; a query then sees only the keys of its
+own document (causal within it). Every backend takes it: eager/sdpa as a dense boolean mask, "flex" as a
+FlexAttention BlockMask, triton as per-token ids, flash as cu_seqlens (flash-attn's varlen call).
+
 Backends: "eager" (the reference), "sdpa" (torch.nn.functional.scaled_dot_product_attention), "triton" (the fused
-kernel in tapetrain.kernels), "flash" (flash-attn, GPU). "auto" picks the fastest one that supports the call.
+kernel in tapetrain.kernels), "flash" (flash-attn, GPU), "flex" (FlexAttention, for document masks). "auto" picks the
+fastest one that supports the call.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tapetrain.model.config import ATTN_BACKENDS
+from tapetrain.model.documents import DocumentMask
 from tapetrain.model.xpos import XposDecay, decayed_attention
 
 log = logging.getLogger(__name__)
@@ -63,6 +69,7 @@ def eager_attention(
     causal: bool = True,
     scale: float | None = None,
     bias: torch.Tensor | None = None,
+    docs: DocumentMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference implementation: materialises A. Used for tests and as the fallback."""
     n_heads, t, d = q.shape[1], q.shape[2], q.shape[3]
@@ -72,12 +79,25 @@ def eager_attention(
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, H, T, S)
     if bias is not None:
         scores = scores + bias
-    if causal:
-        scores = scores.masked_fill(~causal_mask(t, s, q.device), float("-inf"))
+    allowed = allowed_mask(t, s, q.device, causal, docs)
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)
     out_e = torch.matmul(probs, e) if e is not None else None
     return out, out_e
+
+
+# On CPU, SDPA's fused kernel takes values only as wide as q/k: [V ‖ E] (2D) falls back to the math path, which
+# materialises the (T, S) probabilities. From this many keys on, two fused calls (V, then E: the softmax twice)
+# are faster; below it one call is (docs/performance.md "TAPE attention on CPU", tools/benchmark.py attention).
+CPU_TWO_CALLS_FROM_KEYS = 1024
+
+
+def sdpa_value_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor | None) -> int:
+    """1 ([V ‖ E] in one call) or 2 (V and E in separate calls, each on the CPU fused kernel)."""
+    same_width = e is not None and v.shape[-1] == e.shape[-1] == q.shape[-1]
+    return 2 if same_width and q.device.type == "cpu" and k.shape[2] >= CPU_TWO_CALLS_FROM_KEYS else 1
 
 
 def sdpa_attention(
@@ -89,19 +109,27 @@ def sdpa_attention(
     causal: bool = True,
     scale: float | None = None,
     bias: torch.Tensor | None = None,
+    docs: DocumentMask | None = None,
+    value_calls: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """PyTorch SDPA. For TAPE the values are [V ‖ E] (value width Dv + De) so one softmax serves both."""
+    """PyTorch SDPA. For TAPE the values are [V ‖ E] (value width Dv + De) so one softmax serves both, or, where
+    that is slower (CPU, long sequences: sdpa_value_calls), V and E go through two calls; `value_calls` forces
+    1 or 2 (benchmarks). Both are exact: the same softmax applied to each value channel."""
     n_heads, t = q.shape[1], q.shape[2]
     s = k.shape[2]
     k = expand_heads(k, n_heads)
     dv = v.shape[-1]
-    if e is not None:
+    calls = value_calls or sdpa_value_calls(q, k, v, e)
+    if e is not None and calls == 1:
         values = torch.cat([expand_heads(v, n_heads), e], dim=-1)  # (B, H, S, Dv + De)
     else:
         values = expand_heads(v, n_heads)
     mask = None
     is_causal = False
-    if bias is not None:
+    if docs is not None:  # a boolean (B, 1, T, S) mask, or the bias with -inf outside the allowed keys
+        allowed = allowed_mask(t, s, q.device, causal, docs)
+        mask = allowed if bias is None else bias.masked_fill(~allowed, float("-inf"))
+    elif bias is not None:
         mask = bias
         if causal and t > 1:
             mask = bias.masked_fill(~causal_mask(t, s, q.device), float("-inf"))
@@ -113,19 +141,46 @@ def sdpa_attention(
     out = F.scaled_dot_product_attention(q, k, values, attn_mask=mask, is_causal=is_causal, scale=scale)
     if e is None:
         return out, None
+    if calls == 2:
+        return out, F.scaled_dot_product_attention(q, k, e, attn_mask=mask, is_causal=is_causal, scale=scale)
     return out[..., :dv], out[..., dv:]
 
 
-def _triton_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None):
+def allowed_mask(t: int, s: int, device: torch.device, causal: bool,
+                 docs: DocumentMask | None) -> torch.Tensor | None:
+    """Boolean mask of the allowed (query, key) pairs: (T, S) causal, (B, 1, T, S) with documents; None = all."""
+    mask = causal_mask(t, s, device) if causal else None
+    if docs is None:
+        return mask
+    same = docs.same()
+    return same if mask is None else same & mask
+
+
+def _triton_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs=None):
     from tapetrain.kernels.tape_attention import tape_attention  # lazy: triton is optional
 
-    return tape_attention(q, k, v, e, causal=causal, scale=scale)
+    if docs is None:
+        return tape_attention(q, k, v, e, causal=causal, scale=scale)
+    return tape_attention(q, k, v, e, causal=causal, scale=scale, q_doc=docs.q_ids, k_doc=docs.k_ids)
 
 
-def _flash_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None):
+def _flash_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs=None):
     from tapetrain.kernels.flash import flash_tape_attention  # lazy: flash-attn is optional
 
-    return flash_tape_attention(q, k, v, e, causal=causal, scale=scale)
+    return flash_tape_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
+
+
+def _flex_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs=None):
+    from tapetrain.model import flex
+
+    if flex.compile_failed:  # no compiler here: SDPA's boolean mask beats the unfused FlexAttention
+        return sdpa_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
+    try:
+        return flex.flex_document_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
+    except flex.CompileError as err:
+        flex.compile_failed = True
+        log.warning("FlexAttention could not be compiled (%s); attention with the document mask uses sdpa", err)
+        return sdpa_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
 
 
 _IMPLS: dict[str, AttentionFn] = {
@@ -133,6 +188,7 @@ _IMPLS: dict[str, AttentionFn] = {
     "sdpa": sdpa_attention,
     "triton": _triton_attention,
     "flash": _flash_attention,
+    "flex": _flex_attention,
 }
 
 
@@ -140,6 +196,10 @@ def backend_available(name: str, device: torch.device) -> bool:
     """Whether backend `name` can run on `device` with what is installed."""
     if name in ("eager", "sdpa"):
         return True
+    if name == "flex":
+        from tapetrain.model.flex import flex_available
+
+        return flex_available()
     if name == "triton":
         try:
             import triton  # noqa: F401
@@ -170,11 +230,14 @@ def _cudnn_sdpa(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool) -> str:
+def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool,
+                   has_docs: bool = False, grad: bool = True) -> str:
     """Resolve "auto" (or validate an explicit choice) for one call site; logs each new decision once."""
     if requested not in ATTN_BACKENDS:
         raise ValueError(f"model.attn_backend={requested!r} is not a backend; choose one of {', '.join(ATTN_BACKENDS)}")
-    if requested == "auto":
+    if requested == "auto" and has_docs:
+        choice = _document_backend(device, dtype, has_bias, has_e, grad)
+    elif requested == "auto":
         if device.type == "cuda" and not has_bias and dtype in (torch.float16, torch.bfloat16):
             if has_e and _cudnn_sdpa(device):
                 # Measured on H100 (docs/benchmarks/gpu): cuDNN's attention with [V ‖ E] as 2D-wide values beats
@@ -194,14 +257,20 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
                 f"attention backend {requested!r} is not available on {device.type} with the installed packages; "
                 "set model.attn_backend=auto (or sdpa)"
             )
-        if requested in ("triton", "flash") and has_bias:
+        if requested in ("triton", "flash", "flex") and has_bias:
             raise ValueError(
                 f"attention backend {requested!r} does not take an additive bias (alibi/fire); use sdpa or eager"
             )
-        choice = requested
+        if requested == "flex" and has_docs and grad and device.type == "cpu":
+            raise RuntimeError("attention backend 'flex' has no backward on CPU (torch's FlexAttention); set "
+                               "model.attn_backend=auto (SDPA trains on CPU)")
+        if requested == "flex" and not has_docs:
+            choice = "sdpa"  # FlexAttention is here for document masks only; plain causal attention is SDPA's
+        else:
+            choice = requested
     # One line per distinct choice: a TAPE model's last layer (no state update, so no E) usually gets the same
     # backend as its other layers and is not logged again.
-    key = (requested, choice, device.type, dtype, has_bias)
+    key = (requested, choice, device.type, dtype, has_bias, has_docs, grad if has_docs else True)
     if key not in _logged_choices and not torch.compiler.is_compiling():  # logging would break a compiled graph
         _logged_choices.add(key)
         log.info(
@@ -213,16 +282,36 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
             has_bias,
             ", for layers that carry TAPE's state E as extra values" if has_e else "",
         )
+        if has_docs:
+            log.info("attention backend with the document mask (data.document_mask): %s", choice)
     return choice
 
 
+def _document_backend(device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool, grad: bool) -> str:
+    """"auto" with a document mask. GPU, 16-bit, no bias: the Triton kernel for TAPE's [V ‖ E] (it skips the key
+    tiles of other documents), flash-attn's varlen call without E, else FlexAttention. CPU, no bias: compiled
+    FlexAttention for forwards without gradients (measured 2-4.5x faster than SDPA's boolean mask, forward,
+    T = 1024..4096; docs/document-masking.md) and SDPA to train (FlexAttention has no CPU backward)."""
+    if has_bias or not backend_available("flex", device):
+        return "sdpa"
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        if has_e and backend_available("triton", device):
+            return "triton"
+        if not has_e and backend_available("flash", device):
+            return "flash"
+        return "flex"
+    if device.type == "cuda":
+        return "flex"
+    return "sdpa" if grad else "flex"
+
+
 def shifted_sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, backend: str = "auto"
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, backend: str = "auto", scale: float | None = None
 ) -> torch.Tensor:
     """LongLoRA's S²-Attn (training only): causal attention inside groups of `group` tokens; the second half of
     the heads works on the sequence rolled by group/2, so information crosses group borders.
 
-    q (B, H, T, D), k/v (B, Hk|Hv, T, D) with T divisible by `group`; returns (B, H, T, Dv).
+    q (B, H, T, D), k/v (B, Hk|Hv, T, D) with T divisible by `group`; `scale` as `attention`; returns (B, H, T, Dv).
     """
     b, h, t, _ = q.shape
     if t % group or group % 2:
@@ -239,8 +328,8 @@ def shifted_sparse_attention(
     def grouped(x: torch.Tensor) -> torch.Tensor:  # (B, H, T, D) -> (B·T/G, H, G, D)
         return x.reshape(b, h, t // group, group, -1).transpose(1, 2).reshape(b * (t // group), h, group, -1)
 
-    q, k, v = (grouped(roll(x, -shift)) for x in (q, k, v))
-    out, _ = attention(q, k, v, causal=True, backend=backend)
+    q, k, v = (grouped(roll(x, -shift)) for x in (q, k, v))  # no document mask: refused with one (transformer.py)
+    out, _ = attention(q, k, v, causal=True, scale=scale, backend=backend)
     out = out.reshape(b, t // group, h, group, -1).transpose(1, 2).reshape(b, h, t, -1)
     return roll(out, shift)
 
@@ -256,13 +345,18 @@ def attention(
     bias: torch.Tensor | None = None,
     backend: str = "auto",
     decay: XposDecay | None = None,
+    docs: DocumentMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Dispatch to a backend. Returns (A·V, A·E or None); see the module docstring for shapes. `decay`: xPos,
-    applied query block by block (tapetrain.model.xpos) around this same dispatch."""
+    applied query block by block (tapetrain.model.xpos) around this same dispatch. `docs`: the document mask."""
     if decay is not None:
         def attend(*args, **kwargs):
             return attention(*args, scale=scale, backend=backend, **kwargs)
 
-        return decayed_attention(q, k, v, e, decay, attend, causal=causal, bias=bias)
-    name = choose_backend(backend, device=q.device, dtype=q.dtype, has_bias=bias is not None, has_e=e is not None)
-    return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias)
+        return decayed_attention(q, k, v, e, decay, attend, causal=causal, bias=bias, docs=docs)
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, e, bias))
+    name = choose_backend(backend, device=q.device, dtype=q.dtype, has_bias=bias is not None, has_e=e is not None,
+                          has_docs=docs is not None, grad=grad)
+    if docs is None:  # today's calls, unchanged
+        return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias)
+    return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias, docs=docs)

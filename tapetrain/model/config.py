@@ -2,24 +2,28 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Literal, get_args
 
 from tapetrain.errors import ConfigError
 from tapetrain.fields import option
+from tapetrain.model.rope_scaling import RopeScaling, rope_attention_factor, rope_parameters
 
 # The choices of the string-valued keys: the run config's loader checks YAML values against these annotations,
 # validate() checks values set from Python.
 PositionalEncodingName = Literal["tape", "rope", "nope", "alibi", "randpe", "xpos", "fire"]
-AttnBackendName = Literal["auto", "eager", "sdpa", "triton", "flash"]
+AttnBackendName = Literal["auto", "eager", "sdpa", "triton", "flash", "flex"]
 LossBackendName = Literal["auto", "chunked", "liger", "plain"]
 TapeHeadMixName = Literal["full", "gain"]
+FamilyName = Literal["llama", "mistral", "qwen2", "qwen3"]
 
 POSITIONAL_ENCODINGS: tuple[str, ...] = get_args(PositionalEncodingName)
 ROTARY_ENCODINGS = ("tape", "rope", "randpe", "xpos")  # need an even head dim
 ATTN_BACKENDS: tuple[str, ...] = get_args(AttnBackendName)
 LOSS_BACKENDS: tuple[str, ...] = get_args(LossBackendName)
 TAPE_HEAD_MIX: tuple[str, ...] = get_args(TapeHeadMixName)
+FAMILIES: tuple[str, ...] = get_args(FamilyName)
 
 
 @dataclass
@@ -31,6 +35,15 @@ class ModelConfig:
     n_layers: int = option(12, "Number of decoder layers.")
     n_heads: int = option(12, "Query heads M; d_model / n_heads is the head dim D.")
     n_kv_heads: int | None = option(None, "Key/value heads for grouped-query attention (None = n_heads).")
+    head_size: int | None = option(
+        None, "Per-head width D when it is not d_model / n_heads (null = d_model / n_heads; Qwen3 and Mistral-Nemo "
+        "checkpoints set it apart)."
+    )
+    family: FamilyName = option(
+        "llama",
+        "Layer layout of the transformers family it matches: llama and mistral (plain), qwen2 (q/k/v biases), qwen3 "
+        "(per-head RMSNorm of q and k before the rotation). Set by the import; a RoPE model exports as that class.",
+    )
     ffn_hidden: int | None = option(
         None, "SwiGLU intermediate size (None = 8/3·d_model rounded up to a multiple of 256, as Llama)."
     )
@@ -38,7 +51,19 @@ class ModelConfig:
     pe: PositionalEncodingName = option("tape", "Positional encoding: tape, rope, nope, alibi, randpe, xpos or fire.")
     norm_eps: float = option(1e-5, "RMSNorm epsilon.")
     rope_theta: float = option(10000.0, "Rotary base (theta scaling raises it, e.g. 1e6).")
-    pi_factor: float = option(1.0, "Linear position interpolation: positions are divided by this (2 for 4K->8K).")
+    pi_factor: float = option(
+        1.0,
+        "Linear position interpolation: positions are divided by this (2 for 4K->8K); the same as rope_scaling "
+        "{rope_type: linear, factor: pi_factor}.",
+    )
+    rope_scaling: RopeScaling | None = option(
+        None,
+        "RoPE scaling for every rotary angle (RoPE, TAPE's E^(0), RandPE, xPos, generation), spelled as "
+        "transformers' rope_parameters: {rope_type: linear|dynamic|yarn|llama3|longrope, factor, "
+        "original_max_position_embeddings, ...} (null = none, or with init_from the checkpoint's; "
+        "{rope_type: default} drops the checkpoint's).",
+        shown_type="{rope_type, factor, original_max_position_embeddings, ...} or null",
+    )
     tie_embeddings: bool = option(False, "Share the input embedding and the LM head.")
     loss_backend: LossBackendName = option(
         "auto",
@@ -49,8 +74,17 @@ class ModelConfig:
     loss_chunk_mib: float = option(
         256.0, "chunked loss: tokens per chunk are chosen so that one chunk's fp32 logits take at most this many MiB."
     )
-    attn_backend: AttnBackendName = option("auto", "Attention backend: auto, eager, sdpa, triton or flash.")
+    attn_backend: AttnBackendName = option(
+        "auto", "Attention backend: auto, eager, sdpa, triton, flash or flex (FlexAttention; document masks only)."
+    )
     activation_checkpointing: bool = option(False, "Recompute each layer in backward to save activation memory.")
+    tiled_mlp: int | Literal["auto"] = option(
+        0,
+        "Tiled MLP: SwiGLU and TAPE's MLP-side update of E run over this many chunks of each sequence's (this rank's) "
+        "tokens and are recomputed chunk by chunk in backward, so their (B, T, ffn) intermediates are never kept "
+        "whole (ALST's TiledMLP). 0 or 1 = off; auto = ceil(tokens / d_model) chunks. Same results; one more MLP "
+        "forward per step. With or without sequence parallelism.",
+    )
     compile: bool = option(
         False,
         "torch.compile each decoder layer (as torchtitan): fuses norms, rotations and TAPE's state updates. The first "
@@ -101,9 +135,36 @@ class ModelConfig:
     )
     s2_attn_group_fraction: float = option(0.25, "S²-Attn group size as a fraction of the sequence length.")
 
+    def __post_init__(self) -> None:
+        if self.rope_scaling is not None:  # a mapping from model_config.json or a Python caller
+            self.rope_scaling = RopeScaling.from_value(self.rope_scaling)
+
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_size or self.d_model // self.n_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        """q, k and v projections with biases (Qwen2/2.5)."""
+        return self.family == "qwen2"
+
+    @property
+    def qk_norm(self) -> bool:
+        """Per-head RMSNorm of q and k before the rotation (Qwen3)."""
+        return self.family == "qwen3"
+
+    @property
+    def rope_parameters(self) -> dict:
+        """rope_theta, pi_factor and rope_scaling as one dict in transformers' spelling (rope_scaling.py)."""
+        scaling = self.rope_scaling.as_dict() if self.rope_scaling is not None else None
+        return rope_parameters(self.rope_theta, self.pi_factor, scaling)
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The logit scale: 1/√D times the square of the scaling's attention factor (yarn, longrope); None = the
+        backends' default 1/√D. On the logits only, never on TAPE's E."""
+        factor = rope_attention_factor(self.rope_parameters)
+        return None if factor == 1.0 else factor**2 / math.sqrt(self.head_dim)
 
     @property
     def kv_heads(self) -> int:
@@ -142,7 +203,11 @@ class ModelConfig:
                 fail(key, f"must be positive, got {getattr(self, key)}", "set a positive integer")
         if self.pe not in POSITIONAL_ENCODINGS:
             fail("pe", f"unknown positional encoding {self.pe!r}", f"choose one of {', '.join(POSITIONAL_ENCODINGS)}")
-        if self.d_model % self.n_heads:
+        if self.head_size is not None and self.head_size <= 0:
+            fail("head_size", f"must be positive, got {self.head_size}", "set null for d_model / n_heads")
+        if self.family not in FAMILIES:
+            fail("family", f"unknown family {self.family!r}", f"choose one of {', '.join(FAMILIES)}")
+        if self.head_size is None and self.d_model % self.n_heads:
             fail(
                 "n_heads",
                 f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}",
@@ -164,6 +229,7 @@ class ModelConfig:
             fail("pi_factor", f"must be > 0, got {self.pi_factor}", "use 1 for no interpolation")
         if self.rope_theta <= 1:
             fail("rope_theta", f"must be > 1, got {self.rope_theta}", "use 10000 (Llama) or larger")
+        self._validate_rope_scaling(fail)
         if self.tape_head_mix not in TAPE_HEAD_MIX:
             fail("tape_head_mix", f"got {self.tape_head_mix!r}", "choose 'full' or 'gain'")
         if self.ffn_hidden is not None and self.ffn_hidden <= 0:
@@ -193,9 +259,30 @@ class ModelConfig:
             fail("loss_backend", f"unknown backend {self.loss_backend!r}", f"choose one of {', '.join(LOSS_BACKENDS)}")
         if not self.loss_chunk_mib > 0:
             fail("loss_chunk_mib", f"must be > 0, got {self.loss_chunk_mib}", "use e.g. 256 (MiB of fp32 logits)")
+        if self.tiled_mlp != "auto" and (isinstance(self.tiled_mlp, bool) or not isinstance(self.tiled_mlp, int)
+                                         or self.tiled_mlp < 0):
+            fail("tiled_mlp", f"must be a chunk count >= 0 or 'auto', got {self.tiled_mlp!r}", "use 0 (off), 4 or auto")
         if self.attn_backend not in ATTN_BACKENDS:
             fail("attn_backend", f"unknown backend {self.attn_backend!r}", f"choose one of {', '.join(ATTN_BACKENDS)}")
         return self
+
+    def _validate_rope_scaling(self, fail) -> None:
+        scaling = self.rope_scaling
+        kind = scaling.rope_type if scaling is not None else "default"
+        if kind != "default" or self.pi_factor != 1.0:
+            if self.pe not in ROTARY_ENCODINGS:
+                key = "rope_scaling" if kind != "default" else "pi_factor"
+                fail(key, f"scales rotary angles, and pe={self.pe} has none",
+                     f"use it with pe in {', '.join(ROTARY_ENCODINGS)}, or remove it")
+        if scaling is None:
+            return
+        scaling.validate(self.head_dim)
+        if self.pi_factor != 1.0 and kind != "default":
+            same = kind == "linear" and scaling.factor == self.pi_factor
+            if not same:
+                fail("pi_factor", f"pi_factor={self.pi_factor} is linear scaling, i.e. rope_scaling {{rope_type: "
+                     f"linear, factor: {self.pi_factor}}}, and rope_scaling says rope_type {kind} factor "
+                     f"{scaling.factor}", "set only one of them (pi_factor: 1.0 to keep rope_scaling)")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -177,12 +177,15 @@ def linear_cross_entropy(
     backend: str = "chunked",
     chunk_mib: float = 256.0,
     reduction: str = "mean",
+    count: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of `hidden @ weight.T` against `labels` without the logits (except backend 'plain').
 
     hidden (..., C), weight (V, C), labels (...) int64 with -100 = ignore -> () fp32. 'mean' divides by the
     number of non-ignored labels (nan when there are none, as F.cross_entropy; the gradients are then zero);
     'sum' is the plain sum (0 when all are ignored); `count_targets` gives the count that goes with it.
+    `count` () replaces the mean's divisor: sequence parallelism passes the count of the whole sequences, of which
+    `labels` are one rank's slice, so the mean becomes this slice's share of the whole sequences' mean.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}; choose 'mean' or 'sum'")
@@ -190,9 +193,12 @@ def linear_cross_entropy(
         raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape[:-1])}")
     backend = resolve_loss_backend(backend, hidden.device, hidden.dtype)
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
-    if backend == "plain":
+    if backend == "plain" and (count is None or reduction == "sum"):
         return F.cross_entropy(upcast(hidden @ weight.t()), labels, ignore_index=IGNORE_INDEX, reduction=reduction)
-    count = count_targets(labels)
+    count = count_targets(labels) if count is None else count
+    if backend == "plain":  # a mean over a given count
+        total = F.cross_entropy(upcast(hidden @ weight.t()), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return torch.where(count > 0, total / count.clamp(min=1), math.nan)
     if backend == "liger" and torch.is_grad_enabled():
         total = _liger_sum(hidden, weight, labels)
         if reduction == "sum":
@@ -229,7 +235,10 @@ class LMHead(nn.Linear):
         self.loss_backend = loss_backend
         self.chunk_mib = chunk_mib
 
-    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
+                count: torch.Tensor | None = None) -> torch.Tensor:
+        """`count`: the mean's divisor, as in `linear_cross_entropy` (sequence parallelism)."""
         if labels is None:
             return super().forward(hidden)
-        return linear_cross_entropy(hidden, self.weight, labels, backend=self.loss_backend, chunk_mib=self.chunk_mib)
+        return linear_cross_entropy(hidden, self.weight, labels, backend=self.loss_backend, chunk_mib=self.chunk_mib,
+                                    count=count)

@@ -15,8 +15,11 @@ import torch
 from torch import nn
 
 from tapetrain.model.config import ModelConfig
+from tapetrain.model.documents import DocumentMask, document_positions
 from tapetrain.model.fire import FireBias
-from tapetrain.model.randpe import draw_positions, randpe_limit
+from tapetrain.model.randpe import draw_document_positions, draw_positions, randpe_limit
+from tapetrain.model.rope_scaling import frequencies_for
+from tapetrain.model.sequence_shard import SequenceShard, local_heads, local_tokens
 from tapetrain.model.xpos import XposDecay, xpos_zeta
 
 
@@ -26,32 +29,48 @@ class PositionContext:
 
     positions      (B, T) float64  absolute (offset-included, not yet interpolated) positions of the new tokens
     key_positions  (B, S) float64  positions of every key (cached + new)
+    inv_freq       (F,) float64    this forward's rotary frequencies (model.rope_scaling; rotary encodings only)
     cos, sin       (B, 1, T, F)    rotary tables for rope/randpe/xpos (model dtype)
     xpos           XposDecay       xpos: the decay, applied inside attention block by block (tapetrain.model.xpos)
     bias           (1|B, H, T, S)  additive attention bias for alibi/fire
     tape_init      (B, T, M, D)    TAPE's E^(0), token-major like E everywhere: [c ‖ s] per token and head
+    shard          SequenceShard   sequence parallelism (None without): `positions` are this rank's slice of T/N
+                                   tokens, `key_positions` the whole sequence (B, T), and attention runs on whole
+                                   sequences for H/N heads, so xpos and bias span the whole sequence for those heads
+    docs           DocumentMask    packed documents (data.document_mask; None without): positions restart per
+                                   document, attention stays inside one; whole sequences with a shard
     """
 
     positions: torch.Tensor
     key_positions: torch.Tensor
+    inv_freq: torch.Tensor | None = None
     cos: torch.Tensor | None = None
     sin: torch.Tensor | None = None
     xpos: XposDecay | None = None
     resample_randpe: bool = False  # randpe drawing per layer: rotate_qk draws this layer's positions
     bias: torch.Tensor | None = None
     tape_init: torch.Tensor | None = None
+    shard: SequenceShard | None = None
+    docs: DocumentMask | None = None
+
+    @property
+    def query_positions(self) -> torch.Tensor:
+        """Positions of the queries attention computes: the new tokens, or with a shard the whole sequence."""
+        return self.key_positions if self.shard is not None else self.positions
+
+    def own_heads(self, per_head: torch.Tensor) -> torch.Tensor:
+        """(B, H, ...) -> the heads this rank attends with (all without a shard)."""
+        return per_head if self.shard is None else per_head[:, local_heads(self.shard, per_head.shape[1])]
 
 
-def rope_angles(
-    positions: torch.Tensor, head_dim: int, theta: float, pi_factor: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of t·θ_f, t = position / pi_factor, θ_f = theta^(−2f/D); (..., T) -> (..., T, F) float64.
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of p·θ_f for positions p (..., T) and frequencies θ_f (F,) (rope_scaling.frequencies_for);
+    (..., T) -> (..., T, F) float64.
 
     Computed in float64: fp32 angles at positions in the thousands are off by ~1e-4 rad, enough to break the
     exact shift-invariance of TAPE that the tests check.
     """
-    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
-    angles = (positions.to(torch.float64) / pi_factor)[..., None] * freqs
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
     return torch.cos(angles), torch.sin(angles)
 
 
@@ -97,50 +116,91 @@ class PositionalEncoding(nn.Module):
         return self.kind == "randpe" and (self.training or self.cfg.randpe_sample_at_eval)
 
     def default_positions(
-        self, batch: int, length: int, past: int, offset: int, device: torch.device, sample: bool = False
+        self, batch: int, length: int, past: int, offset: int, device: torch.device, sample: bool = False,
+        shard: SequenceShard | None = None,
     ) -> torch.Tensor:
         """(B, T) float64 positions of new tokens: past + arange(T) + offset, or with `sample` (randpe, one draw
-        for all layers) a sorted random draw + offset, the same for every row."""
+        for all layers) a sorted random draw + offset, the same for every row (and every rank of a `shard`'s
+        group: T is then the whole sequence)."""
         if sample and not self.cfg.randpe_per_layer:
             draw = draw_positions(length, randpe_limit(self.cfg.randpe_max_position, self.cfg.max_seq_len), device)
+            if shard is not None:
+                draw = shard.same(draw)
             return (draw + offset).expand(batch, length)
         pos = torch.arange(past, past + length, device=device, dtype=torch.float64) + offset
         return pos.expand(batch, length)
 
+    def document_positions(self, docs: DocumentMask, offset: int, sample: bool = False,
+                           shard: SequenceShard | None = None) -> torch.Tensor:
+        """(B, T) float64 positions of packed documents: restarting at 0 (+ offset) per document, or with `sample`
+        (randpe, one draw for all layers) one sorted random draw per document (the same on every rank of a
+        `shard`'s group, whose docs are then the whole sequences')."""
+        if not (sample and not self.cfg.randpe_per_layer):
+            return document_positions(docs.q_ids) + offset
+        draw = draw_document_positions(docs.q_ids, self._randpe_limit)
+        return (draw if shard is None else shard.same(draw)) + offset
+
+    @property
+    def _randpe_limit(self) -> int:
+        return randpe_limit(self.cfg.randpe_max_position, self.cfg.max_seq_len)
+
     def context(
-        self, positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype, sample: bool = False
+        self, positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype, sample: bool = False,
+        shard: SequenceShard | None = None, docs: DocumentMask | None = None,
     ) -> PositionContext:
-        """Everything positional the layers share. `sample`: randpe draws positions (per layer: in rotate_qk)."""
+        """Everything positional the layers share. `sample`: randpe draws positions (per layer: in rotate_qk).
+        With a `shard`, `positions` are this rank's tokens and `key_positions` the whole sequence. With `docs`
+        the positions are already per document (tapetrain.model.documents.document_positions)."""
         cfg = self.cfg
-        ctx = PositionContext(positions=positions, key_positions=key_positions)
+        ctx = PositionContext(positions=positions, key_positions=key_positions, shard=shard, docs=docs)
         ctx.resample_randpe = sample and cfg.randpe_per_layer
+        if self.kind in ("rope", "randpe", "xpos", "tape"):
+            # Every rotary angle (RoPE, TAPE's E^(0), RandPE, xPos) comes from these frequencies (rope_scaling.py).
+            ctx.inv_freq = frequencies_for(cfg.head_dim, cfg.rope_parameters, key_positions)  # (F,)
         if self.kind in ("rope", "randpe", "xpos", "tape") and not ctx.resample_randpe:
-            cos, sin = rope_angles(positions, cfg.head_dim, cfg.rope_theta, cfg.pi_factor)  # (B, T, F)
+            cos, sin = rope_angles(positions, ctx.inv_freq)  # (B, T, F)
             if self.kind == "tape":
                 e0 = torch.cat([cos, sin], dim=-1).to(dtype)  # (B, T, D)
                 ctx.tape_init = e0[:, :, None].expand(-1, -1, cfg.n_heads, -1)  # (B, T, M, D) view, no copy
             else:
                 ctx.cos, ctx.sin = cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, F)
+        queries = ctx.query_positions  # what attention computes: with a shard, the whole sequence
         if self.kind == "xpos":
             zeta = xpos_zeta(cfg.head_dim, positions.device)
-            ctx.xpos = XposDecay(zeta, cfg.xpos_scale_base, positions, key_positions)
+            decay_q, decay_k = queries, key_positions
+            if docs is not None:  # stream positions: the same differences inside a document, no restarts (xpos.py)
+                decay_k = torch.arange(key_positions.shape[1], device=positions.device,
+                                       dtype=torch.float64).expand_as(key_positions)
+                decay_q = decay_k[:, -queries.shape[1]:]
+            ctx.xpos = XposDecay(zeta, cfg.xpos_scale_base, decay_q, decay_k)
         if self.kind == "alibi":
-            dist = positions[:, :, None] - key_positions[:, None, :]  # (B, T, S)
+            dist = queries[:, :, None] - key_positions[:, None, :]  # (B, T, S)
             dist = dist.clamp(min=0) if cfg.causal else dist.abs()
             slopes = alibi_slopes(cfg.n_heads).to(positions.device)  # recomputed: a few floats, no buffer to init
+            slopes = ctx.own_heads(slopes[None])[0]  # with a shard: this rank's H/N heads
             ctx.bias = (-slopes[None, :, None, None] * dist[:, None]).to(dtype)  # (B, H, T, S)
         if self.kind == "fire" and cfg.fire_shared:
-            ctx.bias = self.fire(positions, key_positions).to(dtype)
+            ctx.bias = ctx.own_heads(self.fire(queries, key_positions)).to(dtype)
         return ctx
 
     def rotate_qk(self, q: torch.Tensor, k: torch.Tensor, ctx: PositionContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, H, T, D) and k (B, Hkv, T, D) for rope/randpe/xpos (xPos's decay comes later, inside
         attention); identity for the rest."""
         if ctx.resample_randpe:  # this layer's own draw replaces arange(T) in the (offset) positions
-            t = q.shape[2]
-            draw = draw_positions(t, randpe_limit(self.cfg.randpe_max_position, self.cfg.max_seq_len), q.device)
-            positions = ctx.positions + (draw - torch.arange(t, device=q.device, dtype=torch.float64))
-            cos, sin = rope_angles(positions, self.cfg.head_dim, self.cfg.rope_theta, self.cfg.pi_factor)
+            # Drawn for the whole sequence (no cache here, so key_positions are it), once per group with a shard.
+            t = ctx.key_positions.shape[1]
+            if ctx.docs is None:
+                draw = draw_positions(t, self._randpe_limit, q.device)
+                plain = torch.arange(t, device=q.device, dtype=torch.float64)
+            else:  # one draw per document, replacing its restarting positions
+                draw = draw_document_positions(ctx.docs.k_ids, self._randpe_limit)
+                plain = document_positions(ctx.docs.k_ids)
+            if ctx.shard is not None:
+                draw = ctx.shard.same(draw)
+            positions = ctx.key_positions + (draw - plain)
+            if ctx.shard is not None:
+                positions = positions[:, local_tokens(ctx.shard, t)]
+            cos, sin = rope_angles(positions, ctx.inv_freq)
             cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # (B, 1, T, F)
             return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)
         if ctx.cos is None:

@@ -7,6 +7,11 @@ token-major (M = n_heads; see model/tape.py).
     E  = E + (A·E) ×_heads W_A           attention-side update
     m  = SwiGLU(RMSNorm(h)); x' = h + m
     E' = E + W_down(SiLU(W_x m) ⊙ W_up E) MLP-side update; the final E is dropped
+
+Sequence parallelism (`Transformer.shard_sequence`, model/sequence_shard.py): the input is one rank's contiguous
+slice of T/N tokens of every sequence, at its global positions. Only attention crosses ranks: q̃, k̃ and [V ‖ E]
+go through the Ulysses exchange, attention runs on whole sequences for H/N heads, and W_A and the MLP-side update
+act on the returned tokens with all their heads.
 """
 
 from __future__ import annotations
@@ -23,10 +28,13 @@ from torch.utils.checkpoint import checkpoint
 from tapetrain.model.attention import attention, shifted_sparse_attention
 from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
+from tapetrain.model.documents import DocumentMask
 from tapetrain.model.fire import FireBias
-from tapetrain.model.loss import IGNORE_INDEX, LMHead, upcast
+from tapetrain.model.loss import IGNORE_INDEX, LMHead, count_targets, upcast
 from tapetrain.model.positions import PositionalEncoding, PositionContext
+from tapetrain.model.sequence_shard import SequenceShard, local_tokens
 from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, TapeMlpUpdateNonEquivariant, rotate_by_state
+from tapetrain.model.tiling import tile_count, tiled
 
 
 @dataclass
@@ -64,10 +72,14 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(cfg.d_model, self.n_heads * self.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv * self.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.d_model, bias=False)
+        # Qwen3: every head's q and k are RMS-normalised (one gain of D per projection) before the rotation.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.scale = cfg.attention_scale  # None = 1/√D; YaRN/LongRoPE's temperature, on the logits only
         self.tape_mix = (
             TapeHeadMix(cfg.n_heads, cfg.tape_head_mix)
             if cfg.pe == "tape" and cfg.tape_attn_update and updates_state
@@ -87,6 +99,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D) view
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         e_values = None  # E as extra value channels (B, S, M, D), for layers that update it
         if state is not None:
             # E (B, T, M, D) is per query head, so keys are expanded to query heads before rotation (GQA memory
@@ -99,19 +113,62 @@ class Attention(nn.Module):
             q, k = pe.rotate_qk(q.transpose(1, 2), k.transpose(1, 2), ctx)
         if cache is not None:
             k, v, e_values = cache.append(k, v, e_values)
-        e_values = e_values.transpose(1, 2) if e_values is not None else None  # (B, M, S, D) view
-        if self.cfg.s2_attn and self.training and cache is None:
+        if ctx.shard is not None:
+            out, attended = self._attend_sharded(q, k, v, e_values, ctx)
+        elif self.cfg.s2_attn and self.training and cache is None and ctx.docs is None:
             group = max(2, int(t * self.cfg.s2_attn_group_fraction))
-            out, attended = shifted_sparse_attention(q, k, v, group, self.cfg.attn_backend), None
+            out, attended = shifted_sparse_attention(q, k, v, group, self.cfg.attn_backend, self.scale), None
         else:
             out, attended = attention(
-                q, k, v, e_values, causal=self.cfg.causal, bias=ctx.bias, backend=self.cfg.attn_backend,
-                decay=ctx.xpos,
+                q, k, v, None if e_values is None else e_values.transpose(1, 2),  # E as (B, M, S, D) view
+                causal=self.cfg.causal, scale=self.scale, bias=ctx.bias,
+                backend=self.cfg.attn_backend, decay=ctx.xpos, **_docs(ctx),
             )
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
             state = self.tape_mix(state, attended.transpose(1, 2))  # A·E back to token-major (B, T, M, D)
         return out, state
+
+    def _attend_sharded(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e_values: torch.Tensor | None, ctx: PositionContext
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Attention of this rank's T/N tokens through the shard's exchange (Ulysses).
+
+        q (B, H, T/N, D), k (B, Hk, T/N, D), v (B, Hkv, T/N, D) heads-first views, already rotated; e_values TAPE's
+        E (B, T/N, M, D) or None -> (A·V (B, H, T/N, D), A·E (B, M, T/N, D) or None), heads-first views like
+        `attention`'s. Keys and values go with their own heads when N divides their count; otherwise, and always
+        for values that carry E (which has a row per query head), they are expanded to the query heads first.
+        Inside, ctx.bias holds this rank's heads and ctx.xpos the whole sequence's positions.
+        """
+        shard, dv = ctx.shard, self.head_dim
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # token-major (B, T/N, ·, D) views
+        if k.shape[2] % shard.size:
+            k = k.repeat_interleave(self.n_heads // k.shape[2], dim=2)
+        if e_values is not None or v.shape[2] % shard.size:
+            v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
+        values = v if e_values is None else torch.cat([v, e_values], dim=-1)  # (B, T/N, Hv, D [+ D])
+
+        def local_attention(q_all: torch.Tensor, k_all: torch.Tensor, values_all: torch.Tensor) -> torch.Tensor:
+            # whole sequences of this rank's heads, token-major (B, T, h, ·) -> [A·V ‖ A·E] (B, T, h, D [+ D])
+            v_all, e_all = (values_all, None) if e_values is None else (values_all[..., :dv], values_all[..., dv:])
+            out, out_e = attention(
+                q_all.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
+                None if e_all is None else e_all.transpose(1, 2),
+                causal=self.cfg.causal, scale=self.scale, bias=ctx.bias, backend=self.cfg.attn_backend,
+                decay=ctx.xpos, **_docs(ctx),
+            )
+            out = out.transpose(1, 2)
+            return out if out_e is None else torch.cat([out, out_e.transpose(1, 2)], dim=-1)
+
+        out = shard.attend(local_attention, q, k, values)  # (B, T/N, H, D [+ D]): this rank's tokens, all heads
+        if e_values is None:
+            return out.transpose(1, 2), None
+        return out[..., :dv].transpose(1, 2), out[..., dv:].transpose(1, 2)
+
+
+def _docs(ctx: PositionContext) -> dict:
+    """The attention call's docs keyword, only with a document mask (calls without one stay as they were)."""
+    return {} if ctx.docs is None else {"docs": ctx.docs}
 
 
 class DecoderLayer(nn.Module):
@@ -120,6 +177,7 @@ class DecoderLayer(nn.Module):
         # The final E is dropped, so the last layer's E updates could never affect the output: not created
         # (dead parameters would only get None gradients). model.tape_layers limits the updates to some layers.
         updates_state = cfg.updates_tape_state(layer)
+        self.tiled_mlp = cfg.tiled_mlp
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.attn = Attention(cfg, updates_state)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -142,15 +200,26 @@ class DecoderLayer(nn.Module):
         cache: LayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, C), TAPE's state E (B, T, M, D) or None -> both after this layer."""
-        if self.fire is not None:
-            ctx = dataclasses.replace(ctx, bias=self.fire(ctx.positions, ctx.key_positions).to(x.dtype))
+        if self.fire is not None:  # with a shard: the whole sequence, this rank's heads
+            bias = ctx.own_heads(self.fire(ctx.query_positions, ctx.key_positions))
+            ctx = dataclasses.replace(ctx, bias=bias.to(x.dtype))
         attn_out, state = self.attn(self.attn_norm(x), ctx, state, pe, cache)
         x = x + attn_out
-        mlp_out = self.mlp(self.mlp_norm(x))
-        x = x + mlp_out
-        if self.tape_mlp is not None:
-            state = self.tape_mlp(state, mlp_out)  # conditioned on the MLP output m, not its input
-        return x, state
+        chunks = tile_count(self.tiled_mlp, x.shape[1], x.shape[2])  # model.tiled_mlp (model/tiling.py)
+        if self.tape_mlp is None:
+            (mlp_out,) = tiled(self._mlp, (self.mlp_norm(x),), chunks)
+        else:
+            mlp_out, state = tiled(self._mlp_and_tape, (self.mlp_norm(x), state), chunks)
+        return x + mlp_out, state
+
+    def _mlp(self, h: torch.Tensor) -> tuple[torch.Tensor]:
+        """Normalised h (B, t, C) -> (m (B, t, C),): the MLP of a chunk of t tokens."""
+        return (self.mlp(h),)
+
+    def _mlp_and_tape(self, h: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised h (B, t, C), E (B, t, M, D) -> m (B, t, C), E' (B, t, M, D): MLP and TAPE's update, per token."""
+        mlp_out = self.mlp(h)
+        return mlp_out, self.tape_mlp(state, mlp_out)  # conditioned on the MLP output m, not its input
 
 
 class Transformer(nn.Module):
@@ -163,11 +232,20 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, loss_backend=cfg.loss_backend, chunk_mib=cfg.loss_chunk_mib)
+        self.sequence_shard: SequenceShard | None = None  # set by shard_sequence
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if cfg.compile:
             self.compile_layers()
+
+    def shard_sequence(self, shard: SequenceShard | None) -> None:
+        """Sequence parallelism from now on (None: off). Every forward then takes this rank's contiguous slice of
+        T/N tokens of each sequence (input_ids and labels (B, T/N), labels shifted before slicing), computes at
+        their global positions, returns logits for its slice, and a loss that is the mean over the whole sequences
+        (see `forward`). Training and evaluation alike; no KV cache (sharded generation recomputes every step,
+        tapetrain.eval.sequence_parallel)."""
+        self.sequence_shard = shard
 
     def compile_layers(self) -> None:
         """torch.compile every decoder layer in place (parameter names unchanged). Layers are where the
@@ -206,6 +284,7 @@ class Transformer(nn.Module):
         cache: KVCache | None = None,
         tape_state: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        doc_ids: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids (B, T); labels (B, T) aligned with the inputs (already shifted; -100 = ignore). With labels the
         loss is computed by model.loss_backend and logits are None (except the plain backend).
@@ -214,38 +293,44 @@ class Transformer(nn.Module):
         tape_state (B, T, M, D) overrides TAPE's E^(0) (tests of the O(2) property use it).
         logits_to_keep > 0 computes the logits of the last that many positions only, (B, keep, V): a long prompt's
         prefill needs one row, not T rows of V.
+        doc_ids (B, T) int (data.document_mask): packed documents, contiguous runs of equal ids; positions restart
+        at 0 (+ position_offset) at every document start and attention stays inside each document, so every
+        document computes what it would alone (RandPE: one draw per document). Not with a cache or explicit positions.
+
+        With a sequence shard (`shard_sequence`) input_ids and labels are this rank's slice (B, T/N); `positions`,
+        if given, are the whole sequence's (B, T) or (T,). The loss's value is then the mean over the whole
+        sequences' labels (the same on every rank of the group) and its gradient this slice's share of it, so
+        that the group's gradients add up to those of one rank holding the whole sequences. logits_to_keep then
+        keeps this rank's part of the whole sequences' last that many positions (B, k, V), k = 0 on ranks that
+        hold none of them.
         """
+        if doc_ids is not None:
+            self._check_documents(doc_ids, positions, cache)
+        if self.sequence_shard is not None:
+            return self._forward_sharded(input_ids, labels, positions, position_offset, cache, tape_state,
+                                         logits_to_keep, doc_ids)
         b, t = input_ids.shape
-        # Host-side check only: on an accelerator this read would synchronise every micro-step, and there the data
-        # readers (PackedDataset, eval token files) already refuse ids >= vocab_size when a window is read.
-        if input_ids.device.type == "cpu" and input_ids.numel() and int(input_ids.max()) >= self.cfg.vocab_size:
-            raise ValueError(
-                f"token id {int(input_ids.max())} >= model.vocab_size={self.cfg.vocab_size}: the data was "
-                "tokenized with a different tokenizer; re-run prepare or fix model.vocab_size"
-            )
+        self._check_ids(input_ids)
         past = cache.length if cache is not None else 0
         sample = positions is None and cache is None and self.pe.samples_positions  # randpe's random positions
-        if positions is None:
+        docs = None
+        if doc_ids is not None:
+            docs = DocumentMask.of(doc_ids.expand(b, t))
+            positions = self.pe.document_positions(docs, position_offset, sample)
+        elif positions is None:
             positions = self.pe.default_positions(b, t, past, position_offset, input_ids.device, sample)
         else:
             positions = positions.to(torch.float64).expand(b, t)
         key_positions = cache.extend_positions(positions) if cache is not None else positions
         x = self.embed(input_ids)
-        ctx = self.pe.context(positions, key_positions, x.dtype, sample)
+        ctx = self.pe.context(positions, key_positions, x.dtype, sample, docs=docs)
         if tape_state is not None and tape_state.shape != (b, t, self.cfg.n_heads, self.cfg.head_dim):
             raise ValueError(
                 f"tape_state has shape {tuple(tape_state.shape)}; it must be token-major (B, T, M, D) = "
                 f"({b}, {t}, {self.cfg.n_heads}, {self.cfg.head_dim}), the layout of PositionContext.tape_init"
             )
         state = tape_state if tape_state is not None else ctx.tape_init  # (B, T, M, D)
-        use_checkpoint = self.cfg.activation_checkpointing and self.training and cache is None
-        for i, layer in enumerate(self.layers):
-            layer_cache = cache.layers[i] if cache is not None else None
-            if use_checkpoint:
-                x, state = checkpoint(layer, x, ctx, state, self.pe, layer_cache, use_reentrant=False)
-            else:
-                x, state = layer(x, ctx, state, self.pe, layer_cache)
-        hidden = self.norm(x)  # (B, T, C)
+        hidden = self._decode(x, ctx, state, cache)  # (B, T, C)
         if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.loss_backend != "plain":
             # Fused loss inside lm_head's forward (ZeRO-3 gathers its weight there); no (B, T, V) logits.
             # (A LoRA-wrapped lm_head is no LMHead and takes the plain path.)
@@ -256,6 +341,90 @@ class Transformer(nn.Module):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
+        return ModelOutput(logits=logits, loss=loss)
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        # Host-side check only: on an accelerator this read would synchronise every micro-step, and there the data
+        # readers (PackedDataset, eval token files) already refuse ids >= vocab_size when a window is read.
+        if input_ids.device.type == "cpu" and input_ids.numel() and int(input_ids.max()) >= self.cfg.vocab_size:
+            raise ValueError(
+                f"token id {int(input_ids.max())} >= model.vocab_size={self.cfg.vocab_size}: the data was "
+                "tokenized with a different tokenizer; re-run prepare or fix model.vocab_size"
+            )
+
+    def _check_documents(self, doc_ids: torch.Tensor, positions: torch.Tensor | None, cache: KVCache | None) -> None:
+        if cache is not None or positions is not None:
+            raise ValueError("doc_ids (the document mask) sets positions itself and takes no KV cache; generate one "
+                             "document at a time without doc_ids")
+        if self.cfg.s2_attn and self.training:
+            raise ValueError("doc_ids with model.s2_attn: shifted sparse attention has no document mask")
+
+    def _decode(self, x: torch.Tensor, ctx: PositionContext, state: torch.Tensor | None,
+                cache: KVCache | None) -> torch.Tensor:
+        """The decoder layers and the final norm: embeddings (B, T, C) -> hidden states (B, T, C)."""
+        use_checkpoint = self.cfg.activation_checkpointing and self.training and cache is None
+        for i, layer in enumerate(self.layers):
+            layer_cache = cache.layers[i] if cache is not None else None
+            if use_checkpoint:
+                x, state = checkpoint(layer, x, ctx, state, self.pe, layer_cache, use_reentrant=False)
+            else:
+                x, state = layer(x, ctx, state, self.pe, layer_cache)
+        return self.norm(x)
+
+    def _forward_sharded(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None,
+        positions: torch.Tensor | None,
+        position_offset: int,
+        cache: KVCache | None,
+        tape_state: torch.Tensor | None,
+        logits_to_keep: int = 0,
+        doc_ids: torch.Tensor | None = None,
+    ) -> ModelOutput:
+        """`forward` on this rank's slice (B, T/N) of every sequence; see `shard_sequence`. doc_ids, like
+        positions, are the whole sequences' (B, T): a slice's positions need its documents' start offsets."""
+        shard = self.sequence_shard
+        assert shard is not None
+        if cache is not None or tape_state is not None:
+            raise ValueError("a sequence-parallel forward takes no KV cache and no tape_state; generate and test "
+                             "the O(2) property without a sequence shard (shard_sequence(None))")
+        self._check_ids(input_ids)
+        b, t = input_ids.shape
+        length = t * shard.size  # of the whole sequences
+        docs = None
+        if doc_ids is not None:
+            if doc_ids.shape[-1] != length:
+                raise ValueError(f"with sequence parallelism doc_ids are the whole sequences' ({length} tokens), "
+                                 f"got {doc_ids.shape[-1]}")
+            docs = DocumentMask.of(doc_ids.expand(b, length))
+            sample = self.pe.samples_positions
+            whole = self.pe.document_positions(docs, position_offset, sample, shard)
+        elif positions is None:
+            sample = self.pe.samples_positions
+            whole = self.pe.default_positions(b, length, 0, position_offset, input_ids.device, sample, shard)
+        else:
+            sample = False
+            whole = positions.to(torch.float64).expand(b, length)
+        x = self.embed(input_ids)
+        ctx = self.pe.context(whole[:, local_tokens(shard, length)], whole, x.dtype, sample, shard, docs)
+        hidden = self._decode(x, ctx, ctx.tape_init, None)  # (B, T/N, C)
+        if labels is None:
+            if logits_to_keep > 0:  # the kept positions [length − keep, length) that fall in this rank's slice
+                kept_from = max(0, length - logits_to_keep) - shard.rank * t
+                hidden = hidden[:, min(max(0, kept_from), t):]  # (B, k, C), k in 0 .. T/N
+            return ModelOutput(logits=self.lm_head(hidden))  # (B, T/N or k, V): this slice's
+        count = shard.sum(count_targets(labels))  # labels of the whole sequences
+        logits = None
+        if isinstance(self.lm_head, LMHead) and self.lm_head.loss_backend != "plain":
+            share = self.lm_head(hidden, labels, count=count)  # this slice's loss sum / count
+        else:
+            logits = self.lm_head(hidden)
+            total = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                    reduction="sum")
+            share = torch.where(count > 0, total / count.clamp(min=1), math.nan)
+        # The group's mean as the value (logged, checked for NaN), this slice's share as the gradient.
+        loss = share + (shard.sum(share) - share.detach())
         return ModelOutput(logits=logits, loss=loss)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tapetrain.model.documents import DocumentMask
+
 
 def xpos_zeta(head_dim: int, device: torch.device | None = None) -> torch.Tensor:
     """ζ (D,) float64: (2f + 0.4·D) / (1.4·D) for pair f, repeated for both halves of the rotate-half layout."""
@@ -65,11 +67,14 @@ def decayed_attention(
     *,
     causal: bool,
     bias: torch.Tensor | None,
+    docs: DocumentMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`attend` (an attention backend call) with the xPos decay, query block by query block.
 
     q (B, H, T, D) and k (B, Hk, S, D) are rotated but not decayed; v, e, bias as `attention`. Causal blocks see
-    the keys up to their last query (bottom-right aligned: query t sits at key S − T + t).
+    the keys up to their last query (bottom-right aligned: query t sits at key S − T + t). `docs` (packed
+    documents) is sliced like the queries and keys; the decay's positions are then the stream's (arange), whose
+    differences equal the documents' inside a document, so a block's factors never exceed 3.5 either.
     """
     t, s = q.shape[2], k.shape[2]
     outs, attended = [], []
@@ -78,6 +83,7 @@ def decayed_attention(
         keys = s - t + stop if causal else s
         q_factor, k_factor = decay.factors(first, stop, keys, causal)
         block_bias = None if bias is None else bias[..., first:stop, :keys]
+        extra = {} if docs is None else {"docs": docs.slice(first, stop, keys)}
         out, out_e = attend(
             q[:, :, first:stop] * q_factor.to(q.dtype),
             k[:, :, :keys] * k_factor.to(k.dtype),
@@ -85,6 +91,7 @@ def decayed_attention(
             None if e is None else e[:, :, :keys],
             causal=causal,
             bias=block_bias,
+            **extra,
         )
         outs.append(out)
         attended.append(out_e)

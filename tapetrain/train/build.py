@@ -18,8 +18,9 @@ import torch
 from tapetrain.distributed import DistEnv, agree
 from tapetrain.errors import ConfigError
 from tapetrain.model import ModelConfig, Transformer
+from tapetrain.parallel import ParallelLayout
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
-from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, build_model, resolve_model_config
+from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, ROPE_FIELDS, build_model, resolve_model_config
 from tapetrain.train.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from tapetrain.data.prefetch import PrefetchingBatches
     from tapetrain.data.stream import BatchIterator
     from tapetrain.data.supervised import SupervisedDataset
+    from tapetrain.parallel.ulysses import SequenceParallel
 
     Dataset = PackedDataset | SupervisedDataset | MixedDataset  # what open_dataset returns
 
@@ -51,6 +53,7 @@ class Components:
     checkpoints: CheckpointManager  # the Trainer saves through it
     startup: StartupClock  # the trainer logs the first step's time
     run_config: RunConfig  # as written to config.yaml (init_from shape, example-store tokenizer)
+    sequence_parallel: SequenceParallel | None = None  # parallel.sequence_parallel > 1: groups, shard, slicing
 
 
 @dataclass
@@ -70,10 +73,12 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
                        checkpoints: CheckpointManager) -> StartChecks:
     """Resume compatibility, data manifests and tokenizer, then (rank 0) data.verify: on every rank, collectively,
     before anything is written."""
+    from tapetrain.data.cache import ShardCache
     from tapetrain.data.provenance import common_tokenizer
     from tapetrain.data.stream import open_dataset
 
     found: dict = {}
+    cache = ShardCache(cfg.data.cache_dir, cfg.data.cache_limit_gb)  # created lazily: only remote data uses it
 
     def check() -> None:
         resume = checkpoints.check()  # the checkpoint to resume from, and that it holds this model
@@ -81,11 +86,14 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
             raise ConfigError("data.train is empty; point it at a directory written by `tapetrain data prepare`")
         seq_len, vocab = cfg.data.seq_len, model_config.vocab_size
         train = open_dataset(_data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=vocab, seed=cfg.run.seed,
-                             packing=cfg.data.packing)
+                             packing=cfg.data.packing, document_mask=cfg.data.document_mask, cache=cache)
         val = None
         if cfg.data.val:
             val = open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=vocab,
-                               packing=cfg.data.packing)
+                               packing=cfg.data.packing, document_mask=cfg.data.document_mask, cache=cache)
+        if train.document_mask and model_config.s2_attn:
+            raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document "
+                              "mask; set model.s2_attn=false or data.document_mask=false")
         paths = [s.path for s in [*cfg.data.train, *cfg.data.val]]
         checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer))
         found.update(resume=resume, train_dataset=train, val_dataset=val)
@@ -122,9 +130,10 @@ def _with_example_tokenizer(cfg: RunConfig) -> RunConfig:
 
 
 def _run_config_as_written(cfg: RunConfig, model_config: ModelConfig) -> RunConfig:
-    """The config the run records: with model.init_from, the checkpoint's shape; the example store's tokenizer."""
+    """The config the run records: with model.init_from, the checkpoint's shape and the RoPE in use; the example
+    store's tokenizer."""
     if cfg.model.init_from:
-        shape = {k: getattr(model_config, k) for k in CHECKPOINT_SHAPE_FIELDS}
+        shape = {k: getattr(model_config, k) for k in CHECKPOINT_SHAPE_FIELDS + ROPE_FIELDS}
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
     return _with_example_tokenizer(cfg)
 
@@ -134,10 +143,17 @@ def resolve_model_config_agreed(cfg: RunConfig, env: DistEnv) -> ModelConfig:
     found: dict = {}
 
     def resolve() -> None:
+        from tapetrain.config.checks import sequence_parallel_heads_problem
+
         try:
             found["config"] = resolve_model_config(cfg)
         except FileNotFoundError as err:
             raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {err}") from err
+        heads = sequence_parallel_heads_problem(found["config"].n_heads, cfg.parallel.sequence_parallel)
+        if heads:  # model.init_from set the head count
+            problem, fix = heads
+            raise ConfigError(f"parallel.sequence_parallel: {problem}, as model.init_from={cfg.model.init_from} "
+                              f"has it; {fix}")
 
     agree(env, resolve)
     return found["config"]
@@ -168,9 +184,10 @@ def _training_model(cfg: RunConfig, model_config: ModelConfig, env: DistEnv, ds_
     return model, total, trainable
 
 
-def _engine(cfg: RunConfig, model: Transformer,
-            ds_config: dict) -> tuple[DeepSpeedEngine, torch.optim.lr_scheduler.LambdaLR]:
-    """DeepSpeed's engine around our AdamW and LR schedule (DeepSpeed steps the scheduler)."""
+def _engine(cfg: RunConfig, model: Transformer, ds_config: dict,
+            sp: SequenceParallel | None) -> tuple[DeepSpeedEngine, torch.optim.lr_scheduler.LambdaLR]:
+    """DeepSpeed's engine around our AdamW and LR schedule (DeepSpeed steps the scheduler). With sequence
+    parallelism its groups are the engine's mpu: ZeRO and gradient averaging over data × sequence parallel."""
     import deepspeed
 
     from tapetrain.train.optim import build_optimizer
@@ -179,7 +196,8 @@ def _engine(cfg: RunConfig, model: Transformer,
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim, cfg.train.steps)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config, dist_init_required=False,
+        mpu=sp.mpu if sp is not None else None,
     )
     return engine, scheduler
 
@@ -196,6 +214,10 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
     cfg = _run_config_as_written(cfg, model_config)
     ds_config = build_deepspeed_config(cfg, env.world_size)
 
+    # sequence parallelism: DeepSpeed's groups (collective), the model's shard, which samples this rank reads
+    layout = ParallelLayout(env.world_size, cfg.parallel.sequence_parallel)
+    sp = _sequence_parallel(layout, env, cfg.data.seq_len)
+
     # checks before anything is written: the checkpoint to resume from, data, tokenizer
     checkpoints = CheckpointManager(cfg, env, model_config)
     start = check_before_start(cfg, env, model_config, checkpoints)
@@ -203,6 +225,8 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
 
     # model
     model, total, trainable = _training_model(cfg, model_config, env, ds_config, clock)
+    if sp is not None:
+        model.shard_sequence(sp.shard)
 
     # resume, before the engine: free space, the conversion for another rank count, the run's files (committed)
     ds_config = checkpoints.prepare(model, ds_config, total_params=total, trainable_params=trainable)
@@ -211,12 +235,12 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
     d = cfg.deepspeed
     clock.begin("engine", f"DeepSpeed ZeRO-{d.zero_stage} {d.precision} on {env.world_size} rank(s)"
                 + (f", loading {start.resume.checkpoint.name}" if start.resume else ""))
-    engine, scheduler = _engine(cfg, model, ds_config)
+    engine, scheduler = _engine(cfg, model, ds_config, sp)
 
-    # data order
+    # data order: the ranks of a sequence-parallel group read the same samples (their data-parallel rank's)
     train_batches = BatchIterator(start.train_dataset, seed=cfg.run.seed, global_batch_size=cfg.train.global_batch_size,
-                                  micro_batch_size=cfg.train.micro_batch_size, rank=env.rank,
-                                  world_size=env.world_size)
+                                  micro_batch_size=cfg.train.micro_batch_size,
+                                  rank=layout.data_parallel_rank(env.rank), world_size=layout.data_parallel)
 
     # resume: the checkpoint's state into the engine, LR schedule and data order (the config's settings win)
     progress = checkpoints.restore(engine, scheduler, train_batches)
@@ -237,7 +261,17 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
         checkpoints=checkpoints,
         startup=clock,
         run_config=cfg,
+        sequence_parallel=sp,
     )
+
+
+def _sequence_parallel(layout: ParallelLayout, env: DistEnv, seq_len: int | None) -> SequenceParallel | None:
+    from tapetrain.parallel.ulysses import init_sequence_parallel
+
+    sp = init_sequence_parallel(layout, env)
+    if sp is not None:
+        log.info("%s", "; ".join(layout.describe(seq_len or 0)))
+    return sp
 
 
 def _log_epochs(batches: BatchIterator, steps_left: int) -> None:

@@ -4,18 +4,28 @@ state put back into the model, engine, LR schedule and data order (restore), and
 A start calls it in this order (tapetrain.train.build.build_components); every call is collective:
 
     checkpoints = CheckpointManager(cfg, env, model_config)
-    checkpoints.check()                               # before anything is written: the checkpoint, its model,
-    checkpoints.check_training_setup(tokenizer_sha)   # its trainable set, LoRA adapters and tokenizer
+    checkpoints.check()                               # before anything is written: the newest intact checkpoint
+    checkpoints.check_training_setup(tokenizer_sha)   # (manifest), its model, trainable set, LoRA and tokenizer
     ds_config = checkpoints.prepare(model, ds_config, total_params=..., trainable_params=...)
     engine = deepspeed.initialize(..., config=ds_config)
-    start = checkpoints.restore(engine, scheduler, batches)   # -> TrainingProgress to continue from
+    start = checkpoints.restore(engine, scheduler, batches)   # loads, then writes the run's files
     ...
     checkpoints.save(engine, batches, progress)       # the Trainer, every train.save_interval steps
+    checkpoints.wait_for_save()                       # the end of the run: the last checkpoint is complete
 
-Resuming on another number of ranks: ZeRO partitions are tied to the data-parallel size. ZeRO-1/2 go through
-DeepSpeed's universal format, which re-partitions weights and Adam moments (verified exact in tests/distributed);
-for ZeRO-3, DeepSpeed 0.19.8's conversion restored the moments only approximately in our tests, so the weights are
-restored and the moments reset (the log says so).
+Resuming on another number of ranks: ZeRO partitions are tied to the number of ranks (also with sequence
+parallelism: DeepSpeed partitions over all ranks, so parallel.sequence_parallel is an execution setting that any
+resume may change). ZeRO-1/2 go through DeepSpeed's universal format, which re-partitions weights and Adam moments
+(verified exact in tests/distributed). For ZeRO-3, DeepSpeed 0.19.8's conversion restored the moments only
+approximately in our tests, so tapetrain.checkpoint.zero3_reshard re-partitions the saved fp32 masters and moments
+itself (also exact, tested).
+
+A run directory changes only once the checkpoint has loaded on every rank: a start that fails while loading
+leaves config.yaml, config_history/ and every checkpoint as they were.
+
+Damaged checkpoints: every checkpoint carries a manifest (sizes and checksums, tapetrain.checkpoint.manifest),
+verified before a resume trusts it. train.resume=auto takes the newest complete and intact one; it skips a
+damaged or incomplete newer one only with train.resume_fallback (saying which and why), and never silently.
 
 The directory format (atomic saves, the newest complete checkpoint, keep-last-K, RNG files) is
 tapetrain.checkpoint.store's; what a resume may change is decided by tapetrain.train.resume_checks.
@@ -29,15 +39,20 @@ import os
 import shutil
 import subprocess
 import sys
+import time
+import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from tapetrain.checkpoint import disk, store
+from tapetrain.checkpoint import disk, manifest, store
+from tapetrain.checkpoint.completion import PendingCheckpoint
+from tapetrain.checkpoint.zero3_reshard import SavedZero3, load_into
 from tapetrain.distributed import DistEnv, agree, barrier
-from tapetrain.errors import ConfigError, DiskSpaceError, RunError
+from tapetrain.errors import CheckpointError, ConfigError, DiskSpaceError, RunError
 from tapetrain.model import ModelConfig
 from tapetrain.train import resume_checks
 from tapetrain.train.schedule import param_group_lists, set_schedule_position
@@ -55,8 +70,8 @@ CONFIG_HISTORY = "config_history"
 UNIVERSAL_SCRATCH = "universal.tmp"  # under checkpoints/; removed by remove_incomplete like any *.tmp
 
 # How a checkpoint reaches this start's partitioning: loaded as saved (same rank count, or ZeRO-0), through
-# DeepSpeed's universal format (ZeRO-1/2 on another rank count), or its weights alone (ZeRO-3 on another count).
-Reshard = Literal["none", "universal", "weights"]
+# DeepSpeed's universal format (ZeRO-1/2 on another rank count), or re-partitioned by tapetrain (ZeRO-3).
+Reshard = Literal["none", "universal", "zero3"]
 
 
 @dataclass(frozen=True)
@@ -94,6 +109,10 @@ class CheckpointManager:
         self.tokenizer_sha256: str | None = None  # recorded in every checkpoint, compared at the next resume
         self.checkpoint_bytes = 0  # expected size of one checkpoint (checked against free space before each save)
         self._universal: Path | None = None
+        self._skipped: list[Path] = []  # damaged/incomplete checkpoints passed over (set aside after the load)
+        self._ds_config: dict = {}  # written to ds_config.json once the checkpoint has loaded
+        self._zero3: SavedZero3 | None = None  # ZeRO-3 on another rank count: read in prepare(), set in restore()
+        self._pending: PendingCheckpoint | None = None  # the last save, until its background hashing is done
 
     # ---- check: on every rank, before anything is written -------------------------------------------------------
 
@@ -115,33 +134,78 @@ class CheckpointManager:
                                                     tokenizer_sha256)
 
     def _find(self) -> Path | None:
-        resume = self.cfg.train.resume
+        """Collective (the checksums are spread over the ranks)."""
+        resume, fallback = self.cfg.train.resume, self.cfg.train.resume_fallback
         if resume == "none":
             return None
         if resume == "auto":
-            return store.find_checkpoint(self.run_dir)
+            chosen = self._newest_intact(fallback)
+            self._say_unchecked(chosen)
+            return chosen
         path = Path(resume)
         if not (path / store.STATE_FILE).is_file():
             raise ConfigError(
                 f"train.resume={resume!r} is not a complete checkpoint directory (no {store.STATE_FILE}); "
                 "point it at RUN_DIR/checkpoints/step_XXXXXXXX or use 'auto'"
             )
+        defect = self._verify(path)
+        if defect is not None:  # named explicitly: never replaced by another checkpoint
+            raise RunError(f"cannot resume from train.resume={resume!r}: the checkpoint is {defect.kind} "
+                           f"({defect.detail}). Restore the file from a copy, or point train.resume at another "
+                           f"checkpoint (`tapetrain data verify {path.parent.parent}` checks them all)")
+        self._say_unchecked(path)
         return path
+
+    def _newest_intact(self, fallback: bool) -> Path | None:
+        """The newest complete checkpoint that matches its manifest. Newer damaged or incomplete ones are skipped
+        with a warning naming each (train.resume_fallback=true) or refuse the start (false); never silently."""
+        defects: list[tuple[Path, manifest.Defect]] = []
+        chosen = None
+        for _, path in store.step_directories(self.run_dir):
+            defect = self._verify(path)
+            if defect is None:
+                chosen = path
+                break
+            defects.append((path, defect))
+        if defects and (chosen is None or not fallback):
+            raise RunError(_refusal(defects, chosen, self.run_dir))
+        if self.env.is_main:
+            for path, defect in defects:
+                log.warning("skipping checkpoint %s: %s; resuming from %s instead (train.resume_fallback=true)",
+                            path, defect, chosen)
+        self._skipped = [path for path, _ in defects]
+        return chosen
+
+    def _verify(self, checkpoint: Path) -> manifest.Defect | None:
+        """Sizes and checksums against manifest.json (collective)."""
+        started = time.perf_counter()
+        defect = manifest.find_defect(checkpoint, manifest.describe_shared)
+        if defect is None and self.env.is_main and manifest.has_manifest(checkpoint):
+            log.info("%s matches its manifest (sizes and xxh3-64 checksums, %.1f s)", checkpoint,
+                     time.perf_counter() - started)
+        return defect
+
+    def _say_unchecked(self, checkpoint: Path | None) -> None:
+        """A checkpoint from before manifests is resumed as it is, but not in silence."""
+        if checkpoint is not None and self.env.is_main and not manifest.has_manifest(checkpoint):
+            log.warning("%s has no manifest.json (written by a tapetrain before checkpoint manifests): its files "
+                        "cannot be checked for damage; resuming from it as it is", checkpoint)
 
     def _reshard(self) -> Reshard:
         point = self.resume
         if point is None or point.state["world_size"] == self.env.world_size or point.state["zero_stage"] < 1:
             return "none"
-        return "universal" if point.state["zero_stage"] <= 2 else "weights"
+        return "universal" if point.state["zero_stage"] <= 2 else "zero3"
 
     # ---- restore ------------------------------------------------------------------------------------------------
 
     def prepare(self, model: torch.nn.Module, ds_config: dict, *, total_params: int, trainable_params: int) -> dict:
         """The part of a restore that comes before the engine exists; returns the DeepSpeed config to build it with.
 
-        Free space for one checkpoint (or the universal conversion), interrupted saves of an earlier job removed,
-        the conversion for another rank count, then the run's files (config.yaml, config_history/, ds_config.json:
-        the start can no longer be refused) and, for ZeRO-3 on another rank count, the checkpoint's weights."""
+        Free space for one checkpoint (or the universal conversion), the conversion for another rank count (into
+        checkpoints/universal.tmp/, removed again) and, for ZeRO-3 on another rank count, the checkpoint's weights
+        (its fp32 masters and Adam moments are read here, so that a damaged file refuses the start, and set in
+        restore()). The run's files are written by restore(), once the checkpoint has loaded."""
         d, env, point = self.cfg.deepspeed, self.env, self.resume
         self.checkpoint_bytes = disk.checkpoint_bytes(total_params, trainable_params, d.precision, d.zero_stage,
                                                       env.world_size, d.stage3_gather_16bit_weights_on_model_save)
@@ -152,12 +216,11 @@ class CheckpointManager:
             what = f"converting {point.checkpoint.name} for {env.world_size} rank(s) (DeepSpeed's universal format)"
         agree(env, lambda: disk.require_free_space(self.run_dir, needed, what), on_main_only=True)
 
-        if env.is_main:  # interrupted saves and conversions of an earlier job (we hold the lock)
-            store.remove_incomplete(self.run_dir)
-        barrier()
+        self._ds_config = ds_config
         if reshard == "universal":
             self._universal = _convert_to_universal(point.checkpoint, env, point.state["world_size"])
-        self._write_run_files(ds_config, point.state["step"] if point else 0)
+        elif reshard == "zero3":
+            self._zero3 = _read_zero3(point.checkpoint, env)  # agreed over the ranks: a damaged file stops them all
         if reshard == "universal":
             ds_config = {**ds_config, "checkpoint": {"load_universal": True}}
             log.warning(
@@ -165,50 +228,92 @@ class CheckpointManager:
                 "moments, LR schedule, step and data position are restored",
                 point.checkpoint, env.world_size, point.state["world_size"], point.state["zero_stage"],
             )
-        elif reshard == "weights":
+        elif reshard == "zero3":
             from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            weights = get_fp32_state_dict_from_zero_checkpoint(str(point.checkpoint.parent), tag=point.checkpoint.name)
+            # the model's weights (frozen ones included); the fp32 masters and moments follow in restore()
+            weights: dict = {}
+            self._load_or_stop(point.checkpoint, lambda: weights.update(get_fp32_state_dict_from_zero_checkpoint(
+                str(point.checkpoint.parent), tag=point.checkpoint.name)))
             _load_full_weights(model, weights, env)
             log.warning(
-                "resuming %s on %d ranks (saved on %d) with ZeRO-%d: weights, step, LR schedule and data position are "
-                "restored; optimizer moments are reset (no verified universal conversion for this stage)",
-                point.checkpoint, env.world_size, point.state["world_size"], point.state["zero_stage"],
+                "resuming %s on %d ranks (saved on %d) with ZeRO-3 by re-partitioning its fp32 weights and Adam "
+                "moments: weights, optimizer moments, LR schedule, step and data position are restored",
+                point.checkpoint, env.world_size, point.state["world_size"],
             )
         return ds_config
 
     def restore(self, engine: DeepSpeedEngine, scheduler: torch.optim.lr_scheduler.LambdaLR,
                 batches: BatchIterator) -> TrainingProgress:
-        """The checkpoint's engine state (unless prepare() restored the weights alone), data position and RNG
+        """The checkpoint's engine state (re-partitioned for ZeRO-3 on another rank count), data position and RNG
         states; the config's LR schedule, AdamW hyperparameters and clipping win from the resumed step on (the
-        log lists what changed). Returns where training continues (a fresh start: step 0)."""
+        log lists what changed). Then, the load done on every rank, the run's files are written (config.yaml,
+        config_history/, ds_config.json) and skipped checkpoints set aside. Returns where training continues (a
+        fresh start: step 0)."""
         point = self.resume
         if point is None:
+            self._commit(0)
             return TrainingProgress()
         cfg, env = self.cfg, self.env
         hyperparameters = group_hyperparameters(engine.basic_optimizer)  # the config's, before the load
         load = dict(load_optimizer_states=True, load_lr_scheduler_states=False)
-        if self._universal is not None:
-            engine.load_checkpoint(str(self._universal.parent), tag=self._universal.name, **load)
-            barrier()
-            if env.is_main:
-                shutil.rmtree(self._universal.parent, ignore_errors=True)
-            self._universal = None
+        universal, zero3 = self._universal, self._zero3
+        if universal is not None:
+            try:
+                self._load_or_stop(point.checkpoint, lambda: engine.load_checkpoint(str(universal.parent),
+                                                                                    tag=universal.name, **load))
+            finally:
+                barrier()
+                if env.is_main:
+                    shutil.rmtree(universal.parent, ignore_errors=True)
+                self._universal = None
+        elif zero3 is not None:
+            self._load_or_stop(point.checkpoint, lambda: load_into(engine, zero3))
+            self._zero3 = None
         elif self._reshard() == "none":
-            engine.load_checkpoint(str(point.checkpoint.parent), tag=point.checkpoint.name, **load)
+            self._load_or_stop(point.checkpoint, lambda: engine.load_checkpoint(
+                str(point.checkpoint.parent), tag=point.checkpoint.name, **load))
+        self._load_or_stop(point.checkpoint, lambda: (batches.load_state_dict(point.state["data"]),
+                                                      store.load_rng(point.checkpoint, env.rank)))
         start = point.progress
         apply_config_settings(engine, scheduler, cfg, start.step, hyperparameters)
         changes = resume_checks.setting_changes(point.state, cfg, self.run_dir)
         if changes:
             log.warning("resuming with changed settings, applied from step %d on: %s", start.step + 1,
                         "; ".join(changes))
+        saved_sp = int(point.state.get("sequence_parallel", 1))
+        if saved_sp != cfg.parallel.sequence_parallel:
+            log.info("resuming with parallel.sequence_parallel=%d (saved with %d): how each sequence is split over "
+                     "ranks changes, the model, data order and step do not", cfg.parallel.sequence_parallel, saved_sp)
         batch_change = resume_checks.batch_size_change(point.state, cfg.train.global_batch_size)
         if batch_change:
             log.warning("%s", batch_change)
-        batches.load_state_dict(point.state["data"])
-        store.load_rng(point.checkpoint, env.rank)
+        self._commit(start.step)
         log.info("resumed from %s at step %d (lr %.3g)", point.checkpoint, start.step, engine.get_lr()[0])
         return start
+
+    def _load_or_stop(self, checkpoint: Path, load: Callable[[], object]) -> None:
+        """Run one part of a checkpoint load on every rank; a failure on any rank stops every rank with one typed
+        message (the run directory is still as it was: _commit comes after)."""
+
+        def guarded() -> None:
+            try:
+                load()
+            except Exception as err:  # noqa: BLE001 - torch/DeepSpeed report damaged files with any exception type
+                raise RunError(_load_failure(checkpoint, err)) from err
+
+        agree(self.env, guarded)
+
+    def _commit(self, start_step: int) -> None:
+        """The start can no longer fail on the checkpoint: remove interrupted saves of an earlier job (we hold the
+        lock), set skipped checkpoints aside, write the run's files."""
+        if self.env.is_main:
+            store.remove_incomplete(self.run_dir)
+            for path in self._skipped:
+                aside = store.set_aside(path)
+                log.warning("set the skipped checkpoint %s aside as %s (never resumed, exported or counted by "
+                            "train.keep_last; delete it when it is no longer needed)", path.name, aside.name)
+        self._write_run_files(self._ds_config, start_step)
 
     def _write_run_files(self, ds_config: dict, start_step: int) -> None:
         """config.yaml (this start's resolved config), one copy per start in config_history/, ds_config.json."""
@@ -229,11 +334,13 @@ class CheckpointManager:
     # ---- save ---------------------------------------------------------------------------------------------------
 
     def save(self, engine: DeepSpeedEngine, batches: BatchIterator | PrefetchingBatches,
-             progress: TrainingProgress) -> Path:
+             progress: TrainingProgress) -> None:
         """Checkpoint `progress.step` after checking free space; a full disk mid-save is a DiskSpaceError (the
-        incomplete checkpoint is removed and never resumed from). Returns the checkpoint directory."""
+        incomplete checkpoint is removed and never resumed from). The checkpoint becomes complete in the background
+        (its manifest hashed off the training thread): wait_for_save() before the end of the run."""
         from tapetrain.config import dump_run_config
 
+        self.wait_for_save()  # the previous checkpoint is complete (and pruned) before this one starts
         cfg, env, step = self.cfg, self.env, progress.step
         needed = self.checkpoint_bytes
         agree(env, lambda: disk.require_free_space(self.run_dir, needed, f"the checkpoint of step {step}"),
@@ -243,15 +350,19 @@ class CheckpointManager:
             "tokens": progress.tokens,
             "data": batches.state_dict(),
             "world_size": env.world_size,
+            "sequence_parallel": cfg.parallel.sequence_parallel,  # execution only: any other value may resume
             "zero_stage": cfg.deepspeed.zero_stage,
             "seed": cfg.run.seed,
             "skipped_steps": progress.skipped_steps,
             "tokenizer_sha256": self.tokenizer_sha256,
             **resume_checks.training_settings(cfg),
         }
+        # below the collective timeout: the other ranks wait for rank 0 in wait_for_save()'s agreement
+        hash_timeout_s = cfg.deepspeed.timeout_minutes * 60 / 2
         try:
-            return store.save_checkpoint(engine, self.run_dir, step, state, self.model_config.to_dict(), env,
-                                         cfg.train.keep_last, run_config_yaml=dump_run_config(cfg))
+            self._pending = store.save_checkpoint(engine, self.run_dir, step, state, self.model_config.to_dict(),
+                                                  env, cfg.train.keep_last, run_config_yaml=dump_run_config(cfg),
+                                                  hash_timeout_s=hash_timeout_s)
         except Exception as err:  # DeepSpeed/torch report a full disk as a generic write failure
             free = disk.free_bytes(self.run_dir)
             if free >= needed and "No space left" not in str(err):
@@ -264,6 +375,26 @@ class CheckpointManager:
                 f"{err}. The incomplete checkpoint is never resumed from. Free disk space or move run.out_dir, then "
                 "start the same command again"
             ) from err
+
+    def wait_for_save(self) -> None:
+        """Collective: wait until the last save is complete (manifest written, renamed, pruned). A failure of its
+        background thread on any rank stops every rank here with a CheckpointError."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            agree(self.env, pending.join)
+
+    def abandon_save(self, timeout_s: float) -> None:
+        """Not collective, for a run that is stopping on an error: give the last save up to `timeout_s` to complete
+        (its threads need no other rank's help but its part file), then leave it; a failure is only logged."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        try:
+            if not pending.join(timeout_s):
+                log.warning("the checkpoint of step %d was still being hashed; left incomplete (%s, never resumed "
+                            "from)", pending.job.step, pending.job.tmp)
+        except CheckpointError as err:
+            log.warning("%s", err)
 
 
 # ---- the config wins over the optimizer settings a load restores ---------------------------------------------------
@@ -324,6 +455,14 @@ def _convert_to_universal(checkpoint: Path, env: DistEnv, saved_world_size: int)
     return out
 
 
+def _read_zero3(checkpoint: Path, env: DistEnv) -> SavedZero3:
+    """Every rank maps the checkpoint's ZeRO-3 files (each needs every saved partition of its own slices); a
+    damaged file stops every rank with the reason instead of resuming with fresh moments."""
+    saved: list[SavedZero3] = []
+    agree(env, lambda: saved.append(SavedZero3(checkpoint)))
+    return saved[0]
+
+
 def _load_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], env: DistEnv) -> None:
     """Load a full state dict; parameters partitioned by zero.Init are gathered one at a time."""
     params = dict(model.named_parameters())
@@ -338,3 +477,30 @@ def _load_full_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor],
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
                     if env.is_main:
                         param.data.copy_(weights[name].to(param.dtype))
+
+
+# ---- damaged checkpoints -------------------------------------------------------------------------------------------
+
+
+def _refusal(defects: list[tuple[Path, manifest.Defect]], intact: Path | None, run_dir: Path) -> str:
+    """The message of a start refused for damaged or incomplete checkpoints: each one, then the ways out."""
+    found = "; ".join(f"{path} is {d.kind} ({d.detail})" for path, d in defects)
+    if intact is None:
+        return (f"cannot resume: no intact checkpoint in {run_dir / store.CHECKPOINTS}: {found}. Restore the files "
+                "from a copy, or start over in a new run.out_dir")
+    return (f"cannot resume: {found}. train.resume_fallback=false, so the run does not fall back to an earlier "
+            f"checkpoint. Restore the file from a copy; or resume from the newest intact checkpoint, {intact}, with "
+            f"train.resume_fallback=true (or train.resume={intact})")
+
+
+def _load_failure(checkpoint: Path, err: Exception) -> str:
+    """'could not load CHECKPOINT (FILE is not a complete torch file): ERROR ...' and the way out."""
+    broken = [p.name for p in sorted(checkpoint.glob("*.pt")) if not zipfile.is_zipfile(p)]
+    where = f" ({', '.join(broken)}: not a complete torch file)" if broken else ""
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    checked = ("it matched its manifest, so it changed while loading or the manifest missed it"
+               if manifest.has_manifest(checkpoint) else
+               "it has no manifest.json (written by an older tapetrain), so it could not be checked before loading")
+    return (f"could not load {checkpoint}{where}: {type(err).__name__}: {first}. The checkpoint is damaged; {checked}. "
+            f"Nothing in the run directory was changed. Restore the file from a copy, or move {checkpoint.name} out "
+            f"of {checkpoint.parent} to resume from the checkpoint before it")

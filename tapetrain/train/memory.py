@@ -1,17 +1,38 @@
 """Per-GPU memory model for DeepSpeed ZeRO training of tapetrain decoders, and an exact activation probe.
 
-Model states (bytes per GPU, N data-parallel ranks, P parameters, T trainable, 16-bit training):
-    weights   2P            (ZeRO-3: 2P/N; offload_params: 0 on GPU)
-    grads     2T            (ZeRO-2/3: 2T/N)
-    optimizer 12T           fp32 master + Adam m, v (ZeRO-1/2/3: 12T/N; offload_optimizer: 0 on GPU, 12T on host)
-Activations per GPU for micro batch b and sequence s, hidden C, L layers, F SwiGLU width, H heads, D head dim:
-    checkpointed  L · b·s·C · 2           layer inputs kept between forward and backward (+ TAPE's state E:
-                                          b·H·s·D · 2 per layer, the same size again for an MHA model)
-    recompute     one layer's saved tensors while it is recomputed (see `layer_activation_bytes`)
+Model states (bytes per GPU, N data-parallel ranks, P parameters, T trainable, p = 2 for bf16/fp16, 4 for fp32):
+    weights   pP            (ZeRO-3: pP/N; offload_params: 0 on GPU)
+    grads     pT            (ZeRO-1/2/3: the partition, pT/N, at the end of backward; 4T/N at the step)
+    optimizer 12T           fp32 master + Adam m, v (DeepSpeed's ZeRO keeps the master in fp32 runs too; a ZeRO-0
+                            fp32 run: 8T) (ZeRO-1/2/3: /N; offload_optimizer: 0 on GPU, on the host instead)
+ZeRO buffers (`zero_buffer_bytes`, DeepSpeed 0.19.8): with contiguous_gradients, stages 1-2 keep one gradient
+bucket of reduce_bucket_size elements in backward (two with overlap_comm), stage 3 one from start-up, whatever the
+model's size; stage 3 also gathers the parameters at work: the largest of a layer and the embedding, plus
+stage3_prefetch_bucket_size (at most stage3_max_live_parameters).
+Stages 1-3 also see the largest trainable tensor's whole gradient (the embedding, the LM head) before it enters a
+bucket (`largest_trainable` elements): last in backward, with the other gradients, when the activations are gone.
+Peak: the larger of backward (weights, optimizer, ZeRO buffers, and the larger of activations + loss at its start
+and the gradients at its end; ZeRO-3's gradient partition is there throughout) and the step (weights, optimizer,
+the fp32 master partition's gradient 4T/N, plus ZeRO-3's persistent 16-bit partition pT/N). Checked against a
+1-rank DeepSpeed 0.19.8 engine on CPU for stages 1-3, fp32 and bf16, with and without overlap_comm
+(tests/unit/test_memory_model.py).
+Context: CUDA_CONTEXT_GIB per GPU for the CUDA context, cuBLAS workspaces and NCCL buffers (not in
+max_memory_allocated; an allowance, not measured here), 0 for a CPU estimate.
+Activations per GPU for micro batch b and sequence s, hidden C, L layers, F SwiGLU width, H heads, D head dim,
+sequence parallelism N (each GPU holds s/N tokens of every sequence; ZeRO still partitions over all ranks):
+    checkpointed  L · b·(s/N)·C · 2       layer inputs kept between forward and backward (+ TAPE's state E:
+                                          b·H·(s/N)·D · 2 per layer, the same size again for an MHA model)
+    recompute     one layer's saved tensors while it is recomputed (see `layer_activation_bytes`), and in its
+                  backward the gradients of its largest intermediates (`recompute_backward_bytes`)
     no checkpointing: L · one layer's saved tensors
-    loss          fused (model.loss_backend chunked/liger, the default): dh b·s·C·2 kept for backward, one
-                  chunk's logits and products n·V·(4 + 2·2), dW accumulated in fp32 V·C·4 if the head
-                  is trained (`loss_bytes`)
+    tiled MLP     (model.tiled_mlp) the MLP intermediates are not kept (`mlp_intermediate_values`); one chunk's
+                  recompute and its gradients are held in backward instead (`tiled_mlp_peak_bytes`)
+    exchange      N > 1: one layer's all-to-all send and receive buffers of q, k and the values ([V ‖ E] for
+                  TAPE) (`exchange_bytes`); attention itself runs on whole sequences of H/N heads, which hold as
+                  many values as s/N tokens of H heads
+    loss          on each rank's s/N tokens. fused (model.loss_backend chunked/liger, the default): dh b·s·C·2
+                  kept for backward, one chunk's logits and products n·V·(4 + 2·2), dW accumulated in fp32
+                  V·C·4 if the head is trained (`loss_bytes`)
                   plain: b·s·V · (2 + 4 + 4)  16-bit logits, fp32 upcast for the loss and its gradient
 Flash/fused attention never stores the s×s matrix; the eager path would add b·H·s²·2 per layer.
 """
@@ -24,33 +45,120 @@ import torch
 
 from tapetrain.model.config import ModelConfig
 from tapetrain.model.loss import chunk_tokens_for
+from tapetrain.model.sequence_shard import SequenceShard, local_tokens
+from tapetrain.model.tiling import tile_count
 
 GiB = 2**30
+CUDA_CONTEXT_GIB = 1.0  # per GPU: CUDA context, cuBLAS workspaces, NCCL buffers (outside the caching allocator)
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class ZeroBuffers:
+    """The DeepSpeed settings that size ZeRO's own buffers (the `deepspeed:` section's defaults)."""
+
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool | None = None  # None: DeepSpeed's default, on for stage 3 only
+    contiguous_gradients: bool = True
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_max_live_parameters: int = 1_000_000_000
+
+
+def zero_buffer_bytes(stage: int, buffers: ZeroBuffers, bytes_per_value: int, total_params: int,
+                      world_size: int = 1, layer_params: int | None = None) -> int:
+    """Bytes ZeRO holds beyond the partitioned states during backward (module docstring): gradient buckets
+    (stages 1-2: one, two with overlap_comm; stage 3: one, allocated at start-up) and stage 3's gathered
+    parameters: the layer at work plus the prefetch (`layer_params` + prefetch elements, capped by max_live and
+    the model), less this rank's own share of them."""
+    if stage == 0 or not buffers.contiguous_gradients and stage < 3:
+        return 0
+    overlap = buffers.overlap_comm if buffers.overlap_comm is not None else stage == 3
+    buckets = 1 if stage == 3 else (2 if overlap else 1)
+    total = buckets * buffers.reduce_bucket_size * bytes_per_value if buffers.contiguous_gradients else 0
+    if stage == 3:
+        working = (layer_params if layer_params is not None else total_params) + buffers.stage3_prefetch_bucket_size
+        gathered = min(buffers.stage3_max_live_parameters, working, total_params)
+        total += int(gathered * bytes_per_value * (world_size - 1) / world_size)
+    return total
+
+
+def recompute_backward_bytes(cfg: ModelConfig, batch: int, seq: int, bytes_per_value: int = 2) -> int:
+    """What the backward of one recomputed layer adds to its saved tensors: the gradients of the SwiGLU gate and
+    up products (2F per token) and of the layer's input and output (2C per token)."""
+    return batch * seq * (2 * cfg.ffn_dim + 2 * cfg.d_model) * bytes_per_value
+
+
+def mlp_intermediate_values(cfg: ModelConfig, updates_state: bool = True) -> int:
+    """Values per token that a layer's MLP work saves beyond its inputs: what `model.tiled_mlp` no longer keeps
+    (it keeps the MLP's normalised input and E, and recomputes the rest chunk by chunk in backward)."""
+    values = 4 * cfg.ffn_dim  # gate (for SiLU), SiLU(gate) and up (for their product), the product (for down_proj)
+    if cfg.pe == "tape" and updates_state and cfg.tape_mlp_update:
+        i = cfg.tape_dim
+        # TAPE's MLP update: m (for W_x), W_x·m (for SiLU), the gate, W_up·E and the gated product (for W_down)
+        values += cfg.d_model + 2 * i + 2 * i * cfg.head_dim
+    return values
 
 
 def layer_activation_bytes(
-    cfg: ModelConfig, batch: int, seq: int, bytes_per_value: int = 2, updates_state: bool = True
+    cfg: ModelConfig, batch: int, seq: int, bytes_per_value: int = 2, updates_state: bool = True,
+    tiled_mlp: int = 1, sequence_parallel: int = 1, attention_matrix: bool = False,
 ) -> int:
-    """Tensors one decoder layer saves for backward with a fused attention kernel (values × bytes).
-    `updates_state`: TAPE layers other than the last also update E (the last one's E would be dropped)."""
-    c, f, h, hk, d = cfg.d_model, cfg.ffn_dim, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    tokens = batch * seq
-    values = 0
-    values += 2 * c  # two RMSNorm inputs
-    values += 2 * c  # normalised inputs to the q/k/v and MLP projections
-    values += h * d + 2 * hk * d  # q, k, v
-    values += h * d  # attention output (input of o_proj)
-    values += 3 * f  # gate, up, and silu(gate)·up (input of down_proj)
-    values += 2 * f  # silu input/output kept by autograd
+    """Tensors one decoder layer saves for backward with a fused attention kernel (values × bytes), on one rank.
+
+    `seq`: the whole sequence; each of the `sequence_parallel` ranks holds seq/N tokens of it, and attention saves
+    the exchanged q, k and values (whole sequences of H/N heads: as many values as T/N tokens of H heads), which
+    replace the local ones, so per token nothing changes (the all-to-all's buffers are transient: `exchange_bytes`).
+    `updates_state`: TAPE layers other than the last also update E (the last one's E would be dropped).
+    `tiled_mlp` > 1: the MLP intermediates (`mlp_intermediate_values`) are not kept (see `tiled_mlp_peak_bytes`).
+    `attention_matrix`: the math path's softmax weights, B·(H/N)·T² per rank (H·T per local token), kept instead
+    of the kernel's output (CPU SDPA takes that path for TAPE's 2D-wide values; fused kernels keep none).
+    The composition is the one measured with saved-tensor hooks (tests/unit/test_memory_model.py)."""
+    c, h, hk, d = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    tokens = batch * (seq // sequence_parallel)
+    carries_e = cfg.pe == "tape" and updates_state and cfg.tape_attn_update
+    out = 2 * h * d if carries_e else h * d  # the kernel's output, [A·V ‖ A·E] for TAPE
+    values = 6 * c  # each RMSNorm keeps its input, the normalised x and its weighted output (the projections' input)
+    values += h * d + h * d  # q (q̃ for TAPE); o_proj's input (the heads merged: a copy)
+    values += h * seq if attention_matrix else out
     if cfg.pe == "tape":
-        values += h * d * 2  # E (rotation blocks) and k expanded to query heads
-        if updates_state and cfg.tape_attn_update:
-            values += 2 * h * d  # A·E, and the head-mix contraction's permuted copy of it
+        values += 2 * h * d  # E, kept by the rotations of q and k, and k̃ (keys expanded to query heads)
+        values += 3 * h * d if carries_e else h * d  # values [V ‖ E] (V expanded) and A·E's copy for W_A; or V
         if updates_state and cfg.tape_mlp_update:
-            i = cfg.tape_dim
-            # W_up·E, gated product and its permuted copy for W_down, the gate, the MLP output m, E's copy for W_up
-            values += 3 * i * d + i + c + h * d
+            values += h * d  # E' for W_up (the tile's input when tiled)
+    else:
+        values += 2 * hk * d  # k, v (GQA-native kernels keep Hkv heads)
+        values += d if cfg.pe in ("rope", "randpe", "xpos") else 0  # cos and sin at the positions
+    if tiled_mlp <= 1:
+        values += mlp_intermediate_values(cfg, updates_state)
     return tokens * values * bytes_per_value
+
+
+def exchanged_widths(cfg: ModelConfig, n: int, updates_state: bool = True) -> tuple[int, int, int]:
+    """Values per token of q, k and the values that go through the Ulysses all-to-all (`Attention._attend_sharded`):
+    keys and values keep their Hkv heads when N divides them, else are expanded to H; TAPE's k is always expanded
+    (E has a row per query head), and its values are [V ‖ E] (2D wide, H heads) in layers that update E."""
+    h, hk, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    own = hk if hk % n == 0 else h
+    k = h * d if cfg.pe == "tape" else own * d
+    v = 2 * h * d if cfg.pe == "tape" and updates_state and cfg.tape_attn_update else own * d
+    return h * d, k, v
+
+
+def exchange_bytes(cfg: ModelConfig, batch: int, seq: int, n: int, bytes_per_value: int = 2) -> int:
+    """The all-to-all's transient buffers in one layer at a time: a send and a receive buffer for each of q, k
+    and the values, per rank (B, T/N, ·) each; 0 without sequence parallelism."""
+    if n <= 1:
+        return 0
+    return 2 * batch * (seq // n) * sum(exchanged_widths(cfg, n)) * bytes_per_value
+
+
+def tiled_mlp_peak_bytes(cfg: ModelConfig, batch: int, seq: int, chunks: int, bytes_per_value: int = 2) -> int:
+    """What one chunk's recompute holds in backward on top of the layer: its intermediates and their gradients
+    (about twice one chunk's `mlp_intermediate_values`); 0 without tiling."""
+    if chunks <= 1:
+        return 0
+    tokens = batch * -(-seq // chunks)
+    return 2 * tokens * mlp_intermediate_values(cfg) * bytes_per_value
 
 
 def loss_bytes(
@@ -91,8 +199,10 @@ class MemoryEstimate:
     weights_gb: float
     grads_gb: float
     optimizer_gb: float
+    buffers_gb: float
     activations_gb: float
     logits_gb: float
+    context_gb: float
     total_gpu_gb: float
     host_offload_gb: float
 
@@ -111,32 +221,121 @@ def estimate_memory(
     offload_params: bool = False,
     fused_loss: bool = True,
     lm_head_trainable: bool = True,
+    sequence_parallel: int = 1,
+    tiled_mlp: int | str = 0,
+    precision: str = "bf16",
+    buffers: ZeroBuffers = ZeroBuffers(),
+    largest_trainable: int = 0,
+    context_gib: float = CUDA_CONTEXT_GIB,
 ) -> MemoryEstimate:
+    """Per-GPU bytes. ZeRO partitions over all `world_size` ranks (sequence parallel ones too); each rank holds
+    seq_len / sequence_parallel tokens of every sequence, so activations and the loss scale with T/N."""
     n = world_size
-    weights = 2 * total_params / (n if zero_stage == 3 else 1)
+    p = PRECISION_BYTES[precision]
+    weights = p * total_params / (n if zero_stage == 3 else 1)
     if offload_params:
         weights = 0
-    grads = 2 * trainable_params / (n if zero_stage >= 2 else 1)
-    optimizer = 12 * trainable_params / (n if zero_stage >= 1 else 1)
+    grads = p * trainable_params / (n if zero_stage >= 1 else 1)  # at the end of backward (ZeRO-1 too, 0.19.8)
+    # the step: 16-bit gradients are gone, the fp32 master partition's gradient exists (ZeRO-3 keeps its 16-bit
+    # gradient partition as well); a ZeRO-0 engine steps on the gradients it has
+    step_grads = 4 * trainable_params / n + (grads if zero_stage == 3 else 0) if zero_stage >= 1 else grads
+    # fp32 master + Adam m, v; DeepSpeed's ZeRO optimizers keep the fp32 master copy in fp32 runs too, so only a
+    # ZeRO-0 fp32 run updates its weights in place (Adam m, v: 8T)
+    optimizer = (8 if p == 4 and zero_stage == 0 else 12) * trainable_params / (n if zero_stage >= 1 else 1)
     host = 0.0
     if offload_optimizer:
-        host += optimizer * n / max(n, 1)  # each rank's partition lives in its host's memory
+        host += optimizer
         optimizer = 0
     if offload_params:
-        host += 2 * total_params / n
-    tokens = micro_batch * seq_len
-    layer = layer_activation_bytes(cfg, micro_batch, seq_len)
-    if activation_checkpointing:
-        state = cfg.n_heads * cfg.head_dim if cfg.pe == "tape" else 0
-        activations = cfg.n_layers * tokens * (cfg.d_model + state) * 2 + layer
+        host += p * total_params / n
+    embeddings = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    layer_params = max(total_params - embeddings, 0) // cfg.n_layers  # ZeRO-3 gathers a layer at a time
+    zero = zero_buffer_bytes(zero_stage, buffers, p, total_params, n, max(layer_params, cfg.vocab_size * cfg.d_model))
+    # the largest trainable tensor's whole gradient (ZeRO 1-3, before it is bucketed) comes last in backward, when
+    # the activations and the loss's buffers are gone: it competes with them for the peak rather than adding
+    # (ZeRO-1 without overlap_comm reduces only after backward, from whole gradients: nothing extra)
+    overlap = buffers.overlap_comm if buffers.overlap_comm is not None else zero_stage == 3
+    late_gradient = largest_trainable * p if zero_stage >= 2 or zero_stage == 1 and overlap else 0
+    activations = activation_bytes(cfg, micro_batch, seq_len, activation_checkpointing, sequence_parallel, tiled_mlp,
+                                   bytes_per_value=p)
+    local = seq_len // sequence_parallel
+    logits = loss_bytes(cfg, micro_batch, local, p, fused=fused_loss, head_trainable=lm_head_trainable)
+    context = context_gib * GiB
+    # backward frees activations as it produces gradients: at its start all activations and no gradient, at its end
+    # the reverse, so the peak is the larger of the two (ZeRO-3's gradient partition is allocated from the start)
+    if zero_stage == 3:
+        backward_peak = weights + optimizer + zero + grads + max(activations + logits, late_gradient)
     else:
-        last = layer_activation_bytes(cfg, micro_batch, seq_len, updates_state=False)
-        activations = (cfg.n_layers - 1) * layer + last
-    logits = loss_bytes(cfg, micro_batch, seq_len, fused=fused_loss, head_trainable=lm_head_trainable)
-    total = weights + grads + optimizer + activations + logits
+        backward_peak = weights + optimizer + zero + max(activations + logits, grads + late_gradient)
+    step_peak = weights + optimizer + step_grads
+    total = max(backward_peak, step_peak) + context
     return MemoryEstimate(
-        *(x / GiB for x in (weights, grads, optimizer, activations, logits, total, host))
+        *(x / GiB for x in (weights, grads, optimizer, zero, activations, logits, context, total, host))
     )
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int
+    trainable: int
+    largest_trainable: int  # elements of the largest trainable tensor (its whole gradient exists at once)
+    head_trainable: bool  # the LM head's weight trains (the loss then keeps its gradient)
+
+
+def parameter_counts(cfg: ModelConfig, trainable: str) -> ParameterCounts:
+    """Counts for `train.trainable` mode `trainable`, on the meta device (no memory). LoRA modes count the base
+    model as frozen (adapters are small next to what the estimate is for)."""
+    from tapetrain.model.transformer import Transformer
+    from tapetrain.train.optim import is_trainable
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    params = {id(p): (name, p) for name, p in model.named_parameters()}  # tied weights once
+    chosen = [p.numel() for name, p in params.values() if not trainable.startswith("lora") and
+              is_trainable(name, trainable)]
+    head = "embed.weight" if cfg.tie_embeddings else "lm_head.weight"
+    return ParameterCounts(total=sum(p.numel() for _, p in params.values()), trainable=sum(chosen),
+                           largest_trainable=max(chosen, default=0),
+                           head_trainable=not trainable.startswith("lora") and is_trainable(head, trainable))
+
+
+def estimate_run_memory(run_cfg, model_cfg: ModelConfig, world_size: int, *, context_gib: float = CUDA_CONTEXT_GIB,
+                        ) -> tuple[MemoryEstimate, ParameterCounts]:
+    """The estimate for a resolved RunConfig on `world_size` ranks: what `--print-config` prints."""
+    d = run_cfg.deepspeed
+    counts = parameter_counts(model_cfg, run_cfg.train.trainable)
+    est = estimate_memory(
+        model_cfg, seq_len=run_cfg.data.seq_len, micro_batch=run_cfg.train.micro_batch_size, world_size=world_size,
+        zero_stage=d.zero_stage, trainable_params=counts.trainable, total_params=counts.total,
+        activation_checkpointing=model_cfg.activation_checkpointing, offload_optimizer=d.offload_optimizer,
+        offload_params=d.offload_params, fused_loss=model_cfg.loss_backend != "plain",
+        lm_head_trainable=counts.head_trainable, sequence_parallel=run_cfg.parallel.sequence_parallel,
+        tiled_mlp=model_cfg.tiled_mlp, precision=d.precision, largest_trainable=counts.largest_trainable,
+        buffers=ZeroBuffers(reduce_bucket_size=d.reduce_bucket_size, overlap_comm=d.overlap_comm,
+                            contiguous_gradients=d.contiguous_gradients,
+                            stage3_prefetch_bucket_size=d.stage3_prefetch_bucket_size,
+                            stage3_max_live_parameters=d.stage3_max_live_parameters),
+        context_gib=context_gib,
+    )  # fmt: skip
+    return est, counts
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool, sequence_parallel: int = 1,
+                     tiled_mlp: int | str = 0, bytes_per_value: int = 2) -> int:
+    """Peak activation bytes per rank: what the layers keep for backward, plus one layer's transients (its
+    recompute and that recompute's backward under checkpointing, one MLP chunk's recompute when tiled, the
+    all-to-all buffers)."""
+    n, p = sequence_parallel, bytes_per_value
+    local = seq // n
+    chunks = tile_count(tiled_mlp, local, cfg.d_model)
+    layer = layer_activation_bytes(cfg, batch, seq, p, tiled_mlp=chunks, sequence_parallel=n)
+    transient = tiled_mlp_peak_bytes(cfg, batch, local, chunks, p) + exchange_bytes(cfg, batch, seq, n, p)
+    if checkpointing:
+        state = cfg.n_heads * cfg.head_dim if cfg.pe == "tape" else 0
+        kept = cfg.n_layers * batch * local * (cfg.d_model + state) * p
+        return kept + layer + recompute_backward_bytes(cfg, batch, local, p) + transient
+    last = layer_activation_bytes(cfg, batch, seq, p, updates_state=False, tiled_mlp=chunks, sequence_parallel=n)
+    return (cfg.n_layers - 1) * layer + last + transient
 
 
 def measure_saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
@@ -155,6 +354,34 @@ def measure_saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = model(tokens[:, :-1], labels=tokens[:, 1:])
     out.loss.backward()
+    return sum(seen.values())
+
+
+def measure_layer_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor, layer: int = 0,
+                              shard: SequenceShard | None = None) -> int:
+    """Exact bytes autograd saves for backward in one decoder layer's training forward, on this rank: input_ids
+    (B, T), or with a sequence shard this rank's slice (B, T/N) of whole sequences of T·N tokens, as
+    `Transformer._forward_sharded` runs them. Storage-deduplicated, parameters excluded (`layer_activation_bytes`
+    models it)."""
+    model.train()
+    b, t = input_ids.shape
+    n = shard.size if shard is not None else 1
+    whole = model.pe.default_positions(b, t * n, 0, 0, input_ids.device, False, shard)
+    mine = whole[:, local_tokens(shard, t * n)] if shard is not None else whole
+    x = model.embed(input_ids).detach().requires_grad_()
+    ctx = model.pe.context(mine, whole, x.dtype, False, shard)
+    state = ctx.tape_init
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model.layers[layer](x, ctx, state, model.pe)
     return sum(seen.values())
 
 

@@ -13,6 +13,7 @@ import torch
 
 from tapetrain.distributed import DistEnv
 from tapetrain.errors import ConfigError
+from tapetrain.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from tapetrain.config import RunConfig
@@ -37,20 +38,17 @@ def _parameter_counts(cfg: RunConfig, model_config: ModelConfig) -> tuple[int, i
 
 def _memory_lines(cfg: RunConfig, model_config: ModelConfig, world_size: int, total: int,
                   trainable: int) -> list[str]:
-    from tapetrain.train.memory import estimate_memory
+    from tapetrain.train.memory import estimate_run_memory
 
-    d = cfg.deepspeed
-    est = estimate_memory(
-        model_config, seq_len=cfg.data.seq_len, micro_batch=cfg.train.micro_batch_size, world_size=world_size,
-        zero_stage=d.zero_stage, trainable_params=trainable, total_params=total,
-        activation_checkpointing=model_config.activation_checkpointing, offload_optimizer=d.offload_optimizer,
-        offload_params=d.offload_params, fused_loss=model_config.loss_backend != "plain",
-    )
+    est, _ = estimate_run_memory(cfg, model_config, world_size)
     parts = [("weights", est.weights_gb), ("gradients", est.grads_gb), ("optimizer", est.optimizer_gb),
-             ("activations", est.activations_gb), ("logits", est.logits_gb), ("total", est.total_gpu_gb)]
+             ("ZeRO buffers", est.buffers_gb), ("activations", est.activations_gb), ("logits", est.logits_gb),
+             ("CUDA context", est.context_gb), ("total", est.total_gpu_gb)]
+    weights = "fp32 weights and Adam" if cfg.deepspeed.precision == "fp32" else \
+        f"{cfg.deepspeed.precision} weights, fp32 master and Adam"  # fmt: skip
     return [
         f"parameters: {total / 1e6:.2f}M ({trainable / 1e6:.2f}M trainable)",
-        "memory estimate per GPU (the memory model of docs/performance.md: 16-bit weights, fp32 Adam): "
+        f"memory estimate per GPU (the memory model of docs/performance.md: {weights}): "
         + ", ".join(f"{name} {_size(gib)}" for name, gib in parts) + f"; host (offload) {_size(est.host_offload_gb)}",
     ]
 
@@ -72,14 +70,18 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
         raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {err}") from err
     total, trainable = _parameter_counts(cfg, model_config)
     accum = cfg.grad_accum_steps(world)
+    layout = ParallelLayout(world, cfg.parallel.sequence_parallel)
     print(dump_run_config(cfg), end="")
     print(f"\n# DeepSpeed JSON ({world} rank(s))")
     print(json.dumps(build_deepspeed_config(cfg, world), indent=2))
     print("\n# derived")
+    dp = layout.data_parallel
+    ranks = f"{world} rank(s)" if dp == world else f"{dp} data-parallel rank(s)"
     lines = [
         f"ranks: {world}",
+        *(layout.describe(cfg.data.seq_len) if layout.sequence_parallel > 1 else []),
         f"gradient accumulation: {accum} (global batch {cfg.train.global_batch_size} = micro batch "
-        f"{cfg.train.micro_batch_size} x {world} rank(s) x {accum})",
+        f"{cfg.train.micro_batch_size} x {ranks} x {accum})",
         f"tokens per step: {cfg.tokens_per_step(world):,} ({cfg.train.global_batch_size} x {cfg.data.seq_len})",
         f"tokens in the run: {cfg.tokens_per_step(world) * cfg.train.steps:,} ({cfg.train.steps} steps)",
         *_memory_lines(cfg, model_config, world, total, trainable),

@@ -39,9 +39,12 @@ def train(config: str, overrides: list[str] | None = None, print_config: bool = 
         dry_run: check config, data, tokenizer, resume compatibility and free disk space as a start would, write
             nothing and exit before training (works under a launcher too)
     """
+    caller_had_a_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     code = train_from_args(config, overrides or [], print_config=print_config, dry_run=dry_run,
                            world_size=world_size)
-    if code != 0:  # the process exits next; callers of train_from_args that go on keep their process group
+    # The process exits next, after a finished run too (gloo's threads left to interpreter shutdown aborted a rank
+    # after "done:" now and then). A group the caller started (in-process use) stays theirs.
+    if not caller_had_a_group:
         leave_process_group()
     return code
 
@@ -68,10 +71,12 @@ def train_from_args(config_path: str, overrides: list[str], *, print_config: boo
 def leave_process_group() -> None:
     """Tear the process group down before a process exits with an error: left to interpreter shutdown, gloo's
     worker threads can be destroyed unjoined ("terminate called without an active exception", SIGABRT). Only at
-    exit: DeepSpeed caches the world group, so a later start in the same process could not use a new one."""
+    exit or when a run returns; DeepSpeed's cached groups go with it, so a later start in the same process works."""
+    from tapetrain.distributed import destroy_process_group
+
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
-            torch.distributed.destroy_process_group()
+            destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway; the error above is what matters
             pass
 
@@ -90,6 +95,8 @@ def _load_config_on_every_rank(config_path: str, overrides: list[str]):
 
 
 def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> int:
+    from tapetrain.errors import RunError
+    from tapetrain.output_paths import check_output_dir
     from tapetrain.train.build import build_components
     from tapetrain.train.run_lock import RunLock
     from tapetrain.train.startup import StartupClock
@@ -112,6 +119,8 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
     timeout = collective_timeout_minutes() or cfg.deepspeed.timeout_minutes
     clock.done("config", f"{_config_summary(config_path, cfg, env.world_size)}; process group "
                f"{torch.distributed.get_backend()}, collective timeout {timeout:g} min")
+    # before the lock, whose mkdir is the run's first write; a dry run checks it too
+    agree(env, lambda: check_output_dir(cfg.run.out_dir, "run.out_dir", error=RunError), on_main_only=True)
     if dry_run:
         from tapetrain.train.preflight import dry_run as check_only
 
@@ -139,6 +148,9 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
 
 def _config_summary(config_path: str, cfg: RunConfig, world_size: int) -> str:
     accum = cfg.grad_accum_steps(world_size)
+    n = cfg.parallel.sequence_parallel
+    ranks = f"{world_size} rank(s)" if n == 1 else (
+        f"{cfg.data_parallel(world_size)} data-parallel rank(s) (sequence parallel {n} on {world_size} ranks)")
     return (f"{config_path}: {world_size} rank(s), global batch {cfg.train.global_batch_size} = micro batch "
-            f"{cfg.train.micro_batch_size} x {world_size} rank(s) x {accum} accumulation, "
+            f"{cfg.train.micro_batch_size} x {ranks} x {accum} accumulation, "
             f"{cfg.tokens_per_step(world_size):,} tokens per step")

@@ -7,7 +7,9 @@ client AdamW's `step` (the base optimizer every DeepSpeed path ends in):
 
 * ZeRO-0 in fp32, where DeepSpeed calls AdamW directly: the guard computes the global gradient norm itself (every
   rank holds the same averaged gradients), reports it as DeepSpeed's `_global_grad_norm`, and sets the
-  `overflow` flag DeepSpeed reads, so the engine skips exactly as above.
+  `overflow` flag DeepSpeed reads, so the engine skips exactly as above. DeepSpeed clips these gradients before
+  it calls AdamW, so the norm is measured just before its clipping (the logged grad_norm is the pre-clip norm,
+  as DeepSpeed's wrappers report it on every other path).
 * A non-finite loss whose gradients came out finite: the trainer reduces one finiteness flag per optimizer step
   (together with the loss sum) before the boundary `engine.step()`, and a raised `skip_requested` makes the base
   step return without touching the fp32 master weights or Adam's moments (the ZeRO wrapper then copies the
@@ -40,9 +42,21 @@ class StepGuard:
         # The LR scheduler marks the step it tracks; ours still calls that one, so keep the mark (no warning).
         step._wrapped_by_lr_sched = getattr(self._step, "_wrapped_by_lr_sched", False)  # type: ignore[attr-defined]
         self.optimizer.step = step  # an instance attribute: type(optimizer) stays AdamW, as ZeRO requires
+        self._pre_clip_norm: torch.Tensor | None = None
         if self.checks_gradients:
             self.optimizer.overflow = False
             self.optimizer._global_grad_norm = None
+            self._measure_before_clipping(engine)
+
+    def _measure_before_clipping(self, engine: DeepSpeedEngine) -> None:
+        """Measure the norm before DeepSpeed's clip_fp32_gradients (called only when train.grad_clip > 0)."""
+        clip = engine.clip_fp32_gradients
+
+        def measure_then_clip():
+            self._pre_clip_norm = self._global_grad_norm()
+            return clip()
+
+        engine.clip_fp32_gradients = measure_then_clip
 
     def _global_grad_norm(self) -> torch.Tensor:
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
@@ -54,7 +68,8 @@ class StepGuard:
     def _guarded_step(self, *args, **kwargs):
         skip = self.skip_requested
         if self.checks_gradients:
-            norm = self._global_grad_norm()
+            norm = self._pre_clip_norm if self._pre_clip_norm is not None else self._global_grad_norm()
+            self._pre_clip_norm = None
             self.optimizer._global_grad_norm = norm
             finite = bool(torch.isfinite(norm))  # the one host read per optimizer step
             self.optimizer.overflow = skip or not finite

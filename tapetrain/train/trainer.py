@@ -15,10 +15,12 @@ import torch
 
 from tapetrain.checkpoint import store
 from tapetrain.data.batches import read_batch
-from tapetrain.data.supervised import inputs_and_labels
+from tapetrain.data.cache import remote_data_metrics
+from tapetrain.data.supervised import document_ids, inputs_and_labels
 from tapetrain.distributed import DistEnv, all_reduce_sum, barrier
-from tapetrain.errors import RunError
+from tapetrain.errors import RunError, UserError
 from tapetrain.train.checkpointing import TrainingProgress
+from tapetrain.train.heartbeat import Heartbeat, RankBeat, missing_ranks, read_beats
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
 from tapetrain.train.schedule import set_schedule_position
 from tapetrain.train.step_guard import StepGuard, weights_are_finite
@@ -28,6 +30,9 @@ if TYPE_CHECKING:
     from tapetrain.train.build import Components
 
 log = logging.getLogger("tapetrain.train")
+
+# A run stopping on an error gives its last save this long to finish hashing (every rank's thread works alone).
+ABANDON_SAVE_WAIT_S = 120.0
 
 
 class NonFiniteLossError(RunError):
@@ -46,6 +51,7 @@ class Trainer:
         self.env = env
         self.c = components
         self.engine = components.engine
+        self.sp = components.sequence_parallel  # None, or this rank's slice of every sequence
         self.run_dir = Path(cfg.run.out_dir)
         self.step = components.start.step
         self.tokens = components.start.tokens
@@ -119,7 +125,10 @@ class Trainer:
             batch = batches.next_micro_batch().to(device, non_blocking=True)  # (b, seq_len + 1)
             data_wait += time.perf_counter() - wait_start
             inputs, labels = inputs_and_labels(batch)  # supervised examples: labels -100 outside the answers
-            out = engine(inputs, labels=labels, position_offset=offset)
+            docs = document_ids(batch)  # (b, seq_len) int32 with data.document_mask, else None
+            if self.sp is not None:  # this rank's T/N tokens; the loss is the group's (every rank logs the same)
+                inputs, labels = self.sp.local(inputs, labels)  # document ids stay whole (the model slices them)
+            out = engine(inputs, labels=labels, position_offset=offset, **_documents(docs))
             loss = out.loss.detach()
             finite = torch.isfinite(loss)
             loss_sum += torch.where(finite, loss, torch.zeros_like(loss)).double()
@@ -193,6 +202,21 @@ class Trainer:
     # ---- validation ------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
+    def _log_documents(self) -> None:
+        """data.document_mask: mean tokens per document and the attention tiles the mask skips, from the next
+        micro batch (read without advancing)."""
+        batches = self.c.train_batches
+        if not getattr(batches.dataset, "document_mask", False) or not self.env.is_main:
+            return
+        from tapetrain.data.documents import document_stats
+
+        docs = document_ids(batches.read(batches.micro_batch_indices()))
+        if docs is None:
+            return
+        per_doc, skipped = document_stats(docs)
+        log.info("data.document_mask: %.1f tokens per document in the first micro batch; the mask skips %.1f%% of "
+                 "the causal 128x128 attention tiles (what block-sparse attention skips)", per_doc, 100 * skipped)
+
     def validate(self) -> dict:
         """Token-weighted mean loss over the same validation samples on any number of ranks (train/validation)."""
         from tapetrain.progress import progress as progress_bar
@@ -200,15 +224,22 @@ class Trainer:
 
         dataset = self.c.val_dataset
         samples = eval_sample_count(dataset.num_samples, self.cfg.train.eval_steps, self.cfg.train.global_batch_size)
-        batches = rank_val_batches(samples, self.cfg.train.micro_batch_size, self.env.rank, self.env.world_size)
+        sp = self.sp
+        rank, ranks = (sp.data_parallel_rank, sp.layout.data_parallel) if sp else (self.env.rank, self.env.world_size)
+        batches = rank_val_batches(samples, self.cfg.train.micro_batch_size, rank, ranks)
         started = time.perf_counter()
         self.engine.eval()
         nll, count = 0.0, 0.0
         bar = progress_bar(batches, desc=f"validation @ step {self.step}", unit="batch", disable=not self.env.is_main)
         for indices, weight in bar:
-            inputs, labels = inputs_and_labels(read_batch(dataset, indices).to(self.env.device))
-            out = self.engine(inputs, labels=labels)  # mean loss over the scored (label != -100) tokens
-            scored = int((labels != -100).sum())
+            batch = read_batch(dataset, indices).to(self.env.device)
+            inputs, labels = inputs_and_labels(batch)
+            scored = int((labels != -100).sum())  # of the whole sequences
+            if sp is not None:  # every rank of the group scores the same sequences: count them once
+                inputs, labels = sp.local(inputs, labels)
+                weight /= sp.size
+            # mean loss over the scored (label != -100) tokens
+            out = self.engine(inputs, labels=labels, **_documents(document_ids(batch)))
             nll += weight * float(out.loss) * scored if scored else 0.0
             count += weight * scored
         self.engine.train()
@@ -231,19 +262,73 @@ class Trainer:
     def fit(self) -> int:
         cfg = self.cfg
         self._install_signal_handlers()
+        if self.step >= cfg.train.steps:
+            log.info("run already complete at step %d (train.steps=%d)", self.step, cfg.train.steps)
+        # Several ranks: a heartbeat per rank, so that a collective that times out can say who did not arrive.
+        heartbeat = Heartbeat(self.run_dir, self.env.rank, self.step + 1) if self.env.world_size > 1 else None
+        try:
+            last_saved = self._train_steps(heartbeat.start() if heartbeat else None)
+            self._finish(last_saved)
+        except UserError:  # says what happened (a RunError is a RuntimeError, but no lost peer)
+            self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
+            raise
+        except RuntimeError as err:  # torch's collective timeouts and lost peers
+            self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
+            step = heartbeat.step if heartbeat else self.step + 1
+            missing = self._missing_ranks(step)
+            if not missing:
+                raise
+            raise self._hung_ranks_error(step, missing) from err
+        except BaseException:
+            self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
+            raise
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+        return 0
+
+    def _finish(self, last_saved: int) -> None:
+        """The last checkpoint (unless just saved), a final weight check and DONE.json."""
+        cfg = self.cfg
+        if self.profiler:
+            self.profiler.finish()  # the run ended inside the profiled steps
+        if last_saved != self.step:
+            self.save()
+        self.c.checkpoints.wait_for_save()  # DONE.json only once the last checkpoint is complete
+        self._check_weights("at the end of the run")
+        if self.metrics:
+            self.metrics.close()
+        close = getattr(self.c.train_batches, "close", None)
+        if close is not None:
+            close()
+        barrier()
+        if self.env.is_main and self.step >= cfg.train.steps:
+            done = {"step": self.step, "tokens": self.tokens, "finished": True, "name": self.run_name,
+                    "skipped_steps": self.skipped_steps}
+            tmp = self.run_dir / "DONE.json.tmp"
+            tmp.write_text(json.dumps(done))
+            os.replace(tmp, self.run_dir / "DONE.json")
+            log.info("done: %s, %s; next: tapetrain export hf %s --out %s-hf", self.run_dir, self._work_done(),
+                     self.run_dir, self.run_dir)
+
+    def _train_steps(self, heartbeat: Heartbeat | None) -> int:
+        """Optimizer steps until train.steps or a stop signal, logging, validating and saving on the way; returns
+        the last step saved."""
+        cfg = self.cfg
         tokens_per_step = cfg.train.global_batch_size * cfg.data.seq_len
         window_start, window_tokens = time.perf_counter(), 0
         last_saved = self.step
         log_every = cfg.train.log_interval
         show_every = cfg.logging.console_interval or log_every
         save_every = cfg.train.save_interval  # 0 = only the last step (and on a stop signal)
-        if self.step >= cfg.train.steps:
-            log.info("run already complete at step %d (train.steps=%d)", self.step, cfg.train.steps)
+        self._log_documents()
         first_step = self.c.startup if self.step < cfg.train.steps else None
         if first_step is not None:
             first_step.begin("first step", f"step {self.step + 1} (the first steps are slower: warm-up"
                              + (", compilation)" if cfg.model.compile else ")"))
         while self.step < cfg.train.steps:
+            if heartbeat is not None:
+                heartbeat.step = self.step + 1
             step_start = time.perf_counter()
             if self.profiler:
                 self.profiler.before_step(self.step + 1)
@@ -274,6 +359,7 @@ class Trainer:
                     "step_time_s": time.perf_counter() - step_start,
                     "data_wait_s": result["data_wait_s"],
                     "skipped_steps": result["skipped_steps"],
+                    **remote_data_metrics(),
                 }
                 if self.metrics:
                     self.metrics.log(_json_safe(record), write=write, show=show)
@@ -292,26 +378,25 @@ class Trainer:
                     self.step,
                 )
                 break
-        if self.profiler:
-            self.profiler.finish()  # the run ended inside the profiled steps
-        if last_saved != self.step:
-            self.save()
-        self._check_weights("at the end of the run")
-        if self.metrics:
-            self.metrics.close()
-        close = getattr(self.c.train_batches, "close", None)
-        if close is not None:
-            close()
-        barrier()
-        if self.env.is_main and self.step >= cfg.train.steps:
-            done = {"step": self.step, "tokens": self.tokens, "finished": True, "name": self.run_name,
-                    "skipped_steps": self.skipped_steps}
-            tmp = self.run_dir / "DONE.json.tmp"
-            tmp.write_text(json.dumps(done))
-            os.replace(tmp, self.run_dir / "DONE.json")
-            log.info("done: %s, %s; next: tapetrain export hf %s --out %s-hf", self.run_dir, self._work_done(),
-                     self.run_dir, self.run_dir)
-        return 0
+        return last_saved
+
+    def _missing_ranks(self, step: int) -> list[RankBeat]:
+        """The other ranks that cannot have reached this rank's collective of `step` (none on one rank)."""
+        if self.env.world_size == 1:
+            return []
+        return missing_ranks(read_beats(self.run_dir, self.env.world_size, self.env.rank), step)
+
+    def _hung_ranks_error(self, step: int, missing: list[RankBeat]) -> RunError:
+        """The job cannot go on without the missing ranks: name the step, the ranks and what to do."""
+        ranks = ", ".join(str(b.rank) for b in missing)
+        return RunError(
+            f"step {step}: rank(s) {ranks} did not arrive at a collective within "
+            f"deepspeed.timeout_minutes={self.cfg.deepspeed.timeout_minutes:g} "
+            f"({'; '.join(b.describe() for b in missing)}). The job stops: find out why that rank hangs or died "
+            "(a stopped process, a stuck device, a lost machine: its log, dmesg), then start the same command again "
+            f"(train.resume=auto resumes from the last checkpoint in {self.run_dir / store.CHECKPOINTS}). Raise "
+            "deepspeed.timeout_minutes if ranks legitimately wait that long (a large save)"
+        )
 
     def _work_done(self) -> str:
         """`50 steps in 1m23s` (from the process start), or `steps 26..50 in 41s` after a resume."""
@@ -329,6 +414,11 @@ class Trainer:
             log.warning("data: all %d training samples have been drawn by step %d; epoch %d begins (the same "
                         "samples in a new order)", self.c.train_batches.num_samples, self.step, epoch)
             self.epoch = epoch
+
+
+def _documents(doc_ids: torch.Tensor | None) -> dict:
+    """The model's doc_ids keyword, only when there are ids (runs without the mask call the model as before)."""
+    return {} if doc_ids is None else {"doc_ids": doc_ids}
 
 
 def _json_safe(record: dict) -> dict:

@@ -138,11 +138,15 @@ def model_variants() -> None:
     from tapetrain.model import ModelConfig, Transformer
 
     tiny = dict(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=32)
-    variants = [dict(pe="tape", tape_head_mix="gain", tape_channels=8, activation_checkpointing=True),
+    variants = [dict(pe="tape", tape_head_mix="gain", tape_channels=8, activation_checkpointing=True, tiled_mlp=2),
                 dict(pe="tape", tape_attn_update=False, tape_mlp_update=False, tie_embeddings=True),
                 dict(pe="rope", s2_attn=True, s2_attn_group_fraction=0.5), dict(pe="nope", causal=False),
                 dict(pe="alibi"), dict(pe="randpe", randpe_max_position=64), dict(pe="xpos", xpos_scale_base=64.0),
-                dict(pe="fire", fire_hidden=8)]
+                dict(pe="fire", fire_hidden=8),
+                dict(pe="tape", family="qwen3", head_size=16,
+                     rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}),
+                dict(pe="rope", family="qwen2", rope_scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                              "original_max_position_embeddings": 8})]
     for extra in variants:
         model = Transformer(ModelConfig(**{**tiny, **extra}).validate()).train()
         ids = torch.randint(0, 64, (2, 16))

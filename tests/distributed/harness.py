@@ -42,7 +42,7 @@ def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
         "logging": {"tensorboard": False},
     }
     for section, values in sections.items():
-        cfg[section].update(values)
+        cfg.setdefault(section, {}).update(values)
     path.write_text(yaml.safe_dump(cfg))
     return path
 

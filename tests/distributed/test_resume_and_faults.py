@@ -1,12 +1,15 @@
 """Exact resume after SIGKILL, interrupted saves, SIGTERM, NaN policy, resume on another rank count, hostfile launch."""
 
 import json
+import os
+import re
 import shutil
 import signal
 import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from harness import DEEPSPEED, REPO, env, free_port, launcher_cmd, losses, run, single_cmd, write_config
 
@@ -47,10 +50,14 @@ def test_interrupted_save_is_never_resumed_from(tmp_path, shard_dir):
     # What a process killed mid-save leaves: the .tmp directory with DeepSpeed's files but no trainer_state.json.
     shutil.copytree(ckpts / "step_00000004", ckpts / "step_00000006.tmp")
     (ckpts / "step_00000006.tmp" / "trainer_state.json").unlink()
+    # Killed while hashing: every file and trainer_state.json, one rank's manifest part, no manifest.json yet.
+    hashing = ckpts / "step_00000008.tmp"
+    shutil.copytree(ckpts / "step_00000004", hashing)
+    (hashing / "manifest.json").rename(hashing / "manifest.rank00000.json")
     proc = run(single_cmd(cfg, "train.steps=6"))
     assert "removing incomplete checkpoint" in proc.stderr
     assert "resumed from" in proc.stderr and "step_00000004" in proc.stderr
-    assert not (ckpts / "step_00000006.tmp").exists()
+    assert not (ckpts / "step_00000006.tmp").exists() and not hashing.exists()
     assert json.loads((ckpts / "step_00000006" / "trainer_state.json").read_text())["step"] == 6
 
 
@@ -103,29 +110,93 @@ def test_nan_skip_gives_up_after_max_skips(tmp_path, shard_dir):
 def test_resume_on_a_different_number_of_ranks(tmp_path, shard_dir, stage):
     """2 ranks to step 3, then 1 rank to step 6 (same global batch and LR schedule) vs 2 ranks straight to step 6.
 
-    ZeRO-2 goes through a universal checkpoint, which carries the Adam moments over: every later loss matches
-    (1 vs 2 ranks is otherwise bit-identical here). ZeRO-3 restores exact weights (step 4's loss, computed before
-    any update, matches exactly) and resets the moments, which the log says."""
+    Weights and Adam moments carry over (ZeRO-2 through a universal checkpoint, ZeRO-3 by re-partitioning the
+    saved fp32 masters and moments): every later loss matches (1 vs 2 ranks is otherwise bit-identical here).
+    ZeRO-3 used to reset the moments; a resume from zeroed moments shows that step 5 would then differ."""
     straight = tmp_path / "straight"
     run(launcher_cmd(write_config(tmp_path / "s.yaml", shard_dir, straight, deepspeed={"zero_stage": stage}), 2))
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "r.yaml", shard_dir, out, deepspeed={"zero_stage": stage})
     run(launcher_cmd(cfg, 2))  # the same 6-step LR schedule; checkpoints at steps 3 and 6
     shutil.rmtree(out / "checkpoints" / "step_00000006")  # resume from step 3, now on one rank
+    if stage == 3:
+        reset = tmp_path / "reset"
+        shutil.copytree(out, reset)
+        zero_adam_moments(reset / "checkpoints" / "step_00000003")
     proc = run(single_cmd(cfg))
-    assert "saved on 2" in proc.stderr
+    assert "saved on 2" in proc.stderr and "moments are reset" not in proc.stderr
+    assert "weights, optimizer moments, LR schedule, step and data position are restored" in proc.stderr
     state = json.loads((out / "checkpoints" / "step_00000006" / "trainer_state.json").read_text())
     assert state["world_size"] == 1 and state["data"]["consumed_samples"] == 6 * 8
     assert not list((out / "checkpoints").glob("*.tmp")) and not list((out / "checkpoints").glob("*universal*"))
     a, b = losses(straight), losses(out)
     assert sorted(b) == list(range(1, 7))
     assert a[4] == b[4]
-    if stage == 2:
-        assert "through a universal checkpoint" in proc.stderr
-        for step in (5, 6):
-            assert abs(a[step] - b[step]) < 1e-4, (step, a[step], b[step])
-    else:
-        assert "optimizer moments are reset" in proc.stderr
+    for step in (5, 6):
+        assert abs(a[step] - b[step]) < 1e-4, (step, a[step], b[step])
+    if stage == 3:  # the tolerance can tell restored moments from reset ones
+        run(single_cmd(write_config(tmp_path / "z.yaml", shard_dir, reset, deepspeed={"zero_stage": stage})))
+        assert abs(losses(reset)[5] - a[5]) > 1e-3, (losses(reset)[5], a[5])
+
+
+def zero_adam_moments(checkpoint: Path) -> None:
+    """Zero Adam's moments in every rank's ZeRO-3 optimizer file (what a moments-reset resume starts from), and
+    record the edited files in the checkpoint's manifest, else the resume rightly refuses them as damaged."""
+    import torch
+
+    from tapetrain.checkpoint import manifest
+
+    for path in checkpoint.glob("*_optim_states.pt"):
+        saved = torch.load(path, map_location="cpu", weights_only=False)
+        for state in saved["optimizer_state_dict"]["optimizer_state_dict"]["state"].values():
+            state["exp_avg"].zero_()
+            state["exp_avg_sq"].zero_()
+        torch.save(saved, path)
+    manifest.write_manifest(checkpoint, manifest.describe(checkpoint, manifest.checkpoint_files(checkpoint)))
+
+
+def test_a_stopped_rank_ends_the_job_naming_the_step_and_the_rank(tmp_path, shard_dir):
+    """A SIGSTOPped rank left the others blocked for 30 minutes without a word, whatever deepspeed.timeout_minutes
+    said (the groups DeepSpeed creates kept torch's default timeout). Now the job ends within the timeout and
+    rank 0 names the step and the rank that did not arrive."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "h.yaml", shard_dir, out, train={"steps": 5000, "save_interval": 0},
+                       deepspeed={"timeout_minutes": 0.2})
+    job = subprocess.Popen(launcher_cmd(cfg, 2), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    stopped = None
+    try:
+        deadline = time.time() + 300
+        while len(losses_so_far(out)) < 2:
+            assert time.time() < deadline and job.poll() is None, "the job did not start training"
+            time.sleep(0.2)
+        stopped = rank_process(job.pid, 1)
+        os.kill(stopped, signal.SIGSTOP)
+        since = time.time()
+        output, _ = job.communicate(timeout=150)
+        elapsed = time.time() - since
+    finally:
+        if stopped is not None and psutil.pid_exists(stopped):
+            os.kill(stopped, signal.SIGKILL)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0 and elapsed < 90, (elapsed, output[-3000:])
+    found = re.search(r"step (\d+): rank\(s\) 1 did not arrive", output)
+    assert found and int(found.group(1)) >= max(losses_so_far(out)), output[-3000:]
+    assert "deepspeed.timeout_minutes=0.2" in output and "last heartbeat" in output
+
+
+def losses_so_far(run_dir: Path) -> dict[int, float]:
+    """The complete lines of a metrics.jsonl that is still being written."""
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().split("\n")[:-1] if path.exists() else []
+    return {json.loads(line)["step"]: json.loads(line)["loss"] for line in lines}
+
+
+def rank_process(launcher_pid: int, rank: int) -> int:
+    """The pid of the launcher's training rank `rank` (started with --local_rank=RANK)."""
+    children = psutil.Process(launcher_pid).children(recursive=True)
+    return next(p.pid for p in children if f"--local_rank={rank}" in p.cmdline())
 
 
 def test_two_node_hostfile_launch_over_loopback(tmp_path, shard_dir):

@@ -252,10 +252,43 @@ def test_full_disk_stops_with_a_clear_message(base_run, small_shard_dir, shard_d
     assert files(tmp_path / "after2") == files(base_run)
 
 
+def on_read_only(mount: Path, cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run `cmd` with `mount` bind-mounted read-only over itself (a private mount namespace: root's writes fail
+    with EROFS there, where permission bits would not stop them)."""
+    script = 'mount --bind "$0" "$0" && mount -o remount,bind,ro "$0" || exit 99; exec "$@"'
+    return subprocess.run(["unshare", "-rm", "sh", "-c", script, str(mount), *cmd], cwd=REPO, env=env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+
+
+def test_read_only_run_dir_stops_with_one_line_naming_it(small_shard_dir, tmp_path):
+    """A read-only run directory, or a new one under a read-only parent, gave an Errno 30 traceback from mkdir."""
+    if _small_disk(tmp_path) is None:
+        pytest.skip("cannot mount here (needs `unshare -rm` with user namespaces)")
+    ro = tmp_path / "ro"
+    (ro / "old_run").mkdir(parents=True)
+    (ro / "old_run" / "notes.txt").write_text("mine")
+    before = files(ro)
+    for out, named in ((ro / "old_run", ro / "old_run"), (ro / "new" / "run", ro)):
+        cfg = write_config(tmp_path / f"{out.name}.yaml", small_shard_dir, out, train={"steps": 2})
+        for extra in ((), ("--dry-run",)):
+            proc = on_read_only(ro, [*single_cmd(cfg), *extra])
+            assert proc.returncode == 1, proc.stdout[-3000:]
+            expected = f"run.out_dir {out}: cannot write in {named} (read-only file system)"
+            assert expected in proc.stdout, proc.stdout[-3000:]
+            assert "Traceback" not in proc.stdout
+    assert files(ro) == before and sorted(p.name for p in ro.iterdir()) == ["old_run"]
+
+
 def test_failed_rank_count_conversion_stops_instead_of_resetting_moments(base_run, small_shard_dir, tmp_path):
     cfg, out = copy_of(base_run, small_shard_dir, tmp_path, train={"steps": 5, "save_interval": 5})
-    broken = out / "checkpoints" / "step_00000003" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-    broken.write_bytes(broken.read_bytes()[:1000])  # a damaged optimizer partition
+    checkpoint = out / "checkpoints" / "step_00000003"
+    # A damaged optimizer partition in a checkpoint from before manifests (with one, the resume refuses it before
+    # converting: test_damaged_checkpoints.py): the converter itself must fail cleanly.
+    (checkpoint / "manifest.json").unlink()
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    (checkpoint / "trainer_state.json").write_text(json.dumps({k: v for k, v in state.items() if k != "manifest"}))
+    broken = checkpoint / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    broken.write_bytes(broken.read_bytes()[:1000])
     before = files(out)
     proc = attempt(single_cmd(cfg))
     assert proc.returncode == 1, proc.stdout[-3000:]

@@ -47,3 +47,25 @@ def test_two_ranks_equal_one_rank_with_accumulation(tmp_path, shard_dir):
 def val_losses(run_dir) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+
+
+def grad_norms(run_dir) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}
+
+
+def test_logged_grad_norm_is_the_pre_clip_norm_on_every_stage(tmp_path, shard_dir):
+    """ZeRO-0 fp32 logged the norm after DeepSpeed had clipped (grad_clip exactly, every step) while ZeRO-1/2/3
+    logged the norm before clipping. With a clip far below the real norm every step is clipped: both stages must
+    log the same norms, all above the clip value."""
+    norms = {}
+    for stage in (0, 2):
+        out = tmp_path / f"zero{stage}"
+        cfg = write_config(tmp_path / f"{stage}.yaml", shard_dir, out, deepspeed={"zero_stage": stage},
+                           train={"steps": 3, "save_interval": 3, "grad_clip": 0.05})
+        run(launcher_cmd(cfg, 2))
+        norms[stage] = grad_norms(out)
+    assert sorted(norms[0]) == sorted(norms[2]) == [1, 2, 3]
+    for step in norms[0]:
+        assert norms[0][step] > 0.05 * 1.5 and norms[2][step] > 0.05 * 1.5, (step, norms)
+        assert abs(norms[0][step] - norms[2][step]) <= 1e-4 * norms[2][step], (step, norms)

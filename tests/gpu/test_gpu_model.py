@@ -11,10 +11,10 @@ from tapetrain.model import Transformer, preset_config
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _model(backend: str, head_dim: int, **extra) -> Transformer:
+def _model(backend: str, head_dim: int, pe: str = "tape", **extra) -> Transformer:
     torch.manual_seed(0)
     cfg = preset_config(
-        "tiny", pe="tape", d_model=4 * head_dim, n_heads=4, n_kv_heads=2, n_layers=3, max_seq_len=512,
+        "tiny", pe=pe, d_model=4 * head_dim, n_heads=4, n_kv_heads=2, n_layers=3, max_seq_len=512,
         vocab_size=1024, attn_backend=backend, **extra,
     )  # fmt: skip
     model = Transformer(cfg)
@@ -63,3 +63,18 @@ def test_compiled_layers_match_eager_on_gpu():
     loss_c, grads_c = _loss_and_grads(compiled, ids)
     assert loss_c == pytest.approx(loss_e, rel=2e-3)
     assert max(_rel(grads_c[n], grads_e[n]) for n in grads_e) < 5e-2
+
+
+@pytest.mark.parametrize("backend, pe", [("triton", "tape"), ("flash", "rope")])
+def test_rope_scaling_temperature_reaches_the_fused_backends(backend, pe):
+    """YaRN's temperature is the attention scale of every backend (Qwen3 layout: q/k norms too): the fused kernels
+    equal SDPA in loss and gradients."""
+    if backend == "flash":
+        pytest.importorskip("flash_attn")
+    extra = dict(family="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                               "original_max_position_embeddings": 128})
+    ids = torch.randint(0, 1024, (2, 513), device="cuda")
+    loss_f, grads_f = _loss_and_grads(_model(backend, 64, pe, **extra), ids)
+    loss_s, grads_s = _loss_and_grads(_model("sdpa", 64, pe, **extra), ids)
+    assert loss_f == pytest.approx(loss_s, rel=2e-3)
+    assert max(_rel(grads_f[n], grads_s[n]) for n in grads_s) < 5e-2

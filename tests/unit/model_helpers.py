@@ -27,3 +27,19 @@ def randomize_fire(model: Transformer, std: float = 0.3) -> None:
         for name, param in model.named_parameters():
             if "fire" in name:
                 param.add_(torch.randn_like(param) * std)
+
+
+# Every RoPE scaling type, for a head dim of 16 (the tiny preset) and L₀ = 16 positions (llama3: 32), so that
+# sequences of a few dozen tokens reach past L₀ (dynamic grows, longrope switches to its long factors) and with
+# theta 500 every band of llama3 (kept, smoothed, divided) and of yarn's ramp holds some frequencies.
+SCALINGS: dict[str, dict | None] = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 3.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 8.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 32,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+                 "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [1.0 + 0.7 * i for i in range(8)]},
+}
+SCALING_THETA = 500.0

@@ -25,6 +25,7 @@ from tapetrain.model import POSITIONAL_ENCODINGS, ModelConfig
 from tapetrain.model import randpe as randpe_module
 from tapetrain.model.attention import attention
 from tapetrain.model.positions import rope_angles, rotate_pairs
+from tapetrain.model.rope_scaling import rope_frequencies
 from tapetrain.model.xpos import XposDecay, xpos_zeta
 
 # ---- xPos --------------------------------------------------------------------------------------------------------
@@ -58,7 +59,8 @@ def test_xpos_matches_tape_repository(t, scale_base):
     q, k, v = (torch.randn(1, 2, t, 8, generator=g, dtype=torch.float64) for _ in range(3))
     expected = tape_repo_xpos_attention(q, k, v, max_len=1024, scale_base=scale_base)
     pos = torch.arange(t, dtype=torch.float64)[None]
-    cos, sin = (x[:, None] for x in rope_angles(pos, 8, 10000.0))
+    inv_freq = rope_frequencies(8, {"rope_type": "default", "rope_theta": 10000.0})
+    cos, sin = (x[:, None] for x in rope_angles(pos, inv_freq))
     decay = XposDecay(xpos_zeta(8), scale_base, pos, pos)
     for backend in ("eager", "sdpa"):
         out, _ = attention(rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin), v, decay=decay, backend=backend)

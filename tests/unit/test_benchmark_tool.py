@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,12 @@ def test_train_mode(tmp_path: Path) -> None:
         assert len(result[pe]["step_times_s"]) == 2
     assert result["tape"]["params"] > result["rope"]["params"]  # TAPE's extra weights: really two models
     assert _positive(result["tape_over_rope_step_time"])
+    spread = result["tape_over_rope_step_time_spread"]  # the median of the per-round ratio, recomputable
+    ratios = [a / b for a, b in zip(result["tape"]["step_times_s"], result["rope"]["step_times_s"], strict=True)]
+    assert spread["median"] == pytest.approx(statistics.median(ratios))
+    assert result["tape_over_rope_step_time"] == pytest.approx(spread["median"])
+    assert spread["pairs"] == 2 and not result["headline"] and "not a headline" in proc.stdout
+    assert result["attention_ran"] == {"backends": ["sdpa"], "cpu_sdpa_two_calls_from_keys": 1024}  # what ran
     assert out.with_suffix(".png").stat().st_size > 0
     assert "TAPE / RoPE step time" in proc.stdout
 
@@ -68,11 +75,18 @@ def test_attention_mode(tmp_path: Path) -> None:
     result = json.loads(out.read_text())
     assert result["dtype"] == "fp32" and result["seq_lens"] == [32, 64]
     cases = {(r["seq_len"], r["pe"], r["backend"]) for r in result["results"]}
-    assert cases == {(t, pe, b) for t in (32, 64) for pe, b in (("rope", "sdpa"), ("tape", "eager"), ("tape", "sdpa"))}
+    tape_backends = ("eager", "sdpa", "sdpa:one_call", "sdpa:two_calls")
+    expected = (("rope", "sdpa"), *(("tape", b) for b in tape_backends))
+    assert cases == {(t, pe, b) for t in (32, 64) for pe, b in expected}
     for r in result["results"]:
         assert "error" not in r and _positive(r["fwd_ms"]) and _positive(r["fwd_bwd_ms"])
+        assert len(r["fwd_bwd_ms_per_round"]) == 2
+        assert r["fwd_bwd_ms_spread"]["median"] == pytest.approx(r["fwd_bwd_ms"])
     assert [r["seq_len"] for r in result["tape_over_rope_fwd_bwd"]] == [32, 64]
-    assert all(_positive(r["ratio"]) for r in result["tape_over_rope_fwd_bwd"])
+    assert all(_positive(r["ratio"]) and r["spread"]["pairs"] == 2 for r in result["tape_over_rope_fwd_bwd"])
+    split = [p for p in result["pair_ratios"] if p["kind"] == "sdpa_two_calls_over_one_call"]
+    assert [p["seq_len"] for p in split] == [32, 64] and not result["headline"] and result["pairs"] == 2
+    assert "two calls (V, E) / one [V ‖ E] call" in proc.stdout and "not a headline" in proc.stdout
     assert any("triton skipped" in n for n in result["notes"])
     assert plot.stat().st_size > 0 and not out.with_suffix(".png").exists()
     assert "TAPE / RoPE fwd+bwd" in proc.stdout
@@ -90,6 +104,10 @@ def test_engine_mode(tmp_path: Path) -> None:
     # Same model, data and optimizer: the losses after the same steps agree (fp32, clipping on both sides).
     assert result["plain"]["final_loss"] == pytest.approx(result["deepspeed"]["final_loss"], rel=1e-4)
     assert _positive(result["deepspeed_over_plain_tokens_per_s"])
+    ratios = [a / b for a, b in zip(result["plain"]["step_times_s"], result["deepspeed"]["step_times_s"], strict=True)]
+    assert result["deepspeed_over_plain_tokens_per_s"] == pytest.approx(statistics.median(ratios))
+    assert result["deepspeed_over_plain_spread"]["pairs"] == 2 and not result["headline"]
+    assert result["attention_ran"]["backends"] == ["sdpa"]
     assert not out.with_suffix(".png").exists()
 
 
@@ -97,14 +115,75 @@ def test_data_mode(tmp_path: Path) -> None:
     """The data benchmark lives in the package (it used to be a script that the package loaded by path)."""
     out = tmp_path / "data.json"
     proc = _run("data", "--corpus-mb", "0.05", "--vocab", "300", "--reader-tokens", "20000", "--seq-lens", "32,64",
-                "--seconds", "0.05", "--out", str(out))  # fmt: skip
+                "--seconds", "0.05", "--remote-latency-ms", "5", "--remote-shard-tokens", "4000",
+                "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
     assert [p["workers"] for p in result["prepare"]] == [1, 2] and result["prepare_identical_1_vs_2_workers"]
-    assert all(_positive(p["tokens_per_s"]) and p["tokens"] == result["prepare"][0]["tokens"]
-               for p in result["prepare"])
+    assert all(
+        _positive(p["tokens_per_s"]) and p["tokens"] == result["prepare"][0]["tokens"] for p in result["prepare"]
+    )
     assert [r["seq_len"] for r in result["reader"]] == [32, 64]
     assert all(_positive(r["tokens_per_s"]) for r in result["reader"])
     assert "identical shards: True" in proc.stdout
+    remote = result["remote_reader"]  # over HTTP on 127.0.0.1: a cold then a warm cache per seq_len
+    assert [(r["seq_len"], r["cache"]) for r in remote] == [(32, "cold"), (32, "warm"), (64, "cold"), (64, "warm")]
+    assert all(_positive(r["tokens_per_s"]) for r in remote) and remote[1]["fetched_mb"] == 0 < remote[0]["fetched_mb"]
+
+
+def test_sp_mode(tmp_path: Path) -> None:
+    """Two CPU ranks over gloo, a few pairs: the record is well-formed, the sharded model computes the same loss,
+    and each rank saves fewer bytes for backward at SP 2 than at SP 1 (a property, not a timing)."""
+    out = tmp_path / "sp.json"
+    proc = _run("sp", "--ranks", "2", "--preset", "tiny", "--seq-len", "64", "--pairs", "2", "--warmup", "1",
+                "--allow-few-pairs", "--no-progress", "--out", str(out), timeout=300)  # fmt: skip
+    result = json.loads(out.read_text())
+    assert (result["ranks"], result["pairs"], result["headline"]) == (2, 2, False)
+    assert result["peak_mem_kind"] == "saved_for_backward" and result["dist_backend"] == "gloo"
+    assert result["attention_backends_ran"] and result["versions"]["torch"]
+    assert {(r["pe"], r["sp"]) for r in result["results"]} == {(pe, sp) for pe in ("tape", "rope") for sp in (1, 2)}
+    for r in result["results"]:
+        assert len(r["step_times_s"]) == 2 and _positive(r["tokens_per_s_per_group"])
+        assert r["tokens_per_rank"] == 64 // r["sp"] and len(r["saved_bytes_per_rank"]) == 2
+    for p in result["pairs_by_pe"]:
+        assert p["pairs"] == 2 and len(p["pair_ratios"]) == 2 and p["headline_step_time_ratio"] is None
+        assert p["saved_bytes_ratio"] < 1
+        assert abs(p["loss_sp_n_minus_sp1"]) < 1e-4
+    by = {(r["pe"], r["sp"]): r["saved_bytes_per_rank"] for r in result["results"]}
+    for pe in ("tape", "rope"):
+        assert max(by[pe, 2]) < min(by[pe, 1])
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "not a headline" in proc.stdout
+
+
+def test_docmask_mode(tmp_path: Path) -> None:
+    """A few pairs of the training step with and without the document mask: the record is well-formed (no timing
+    is asserted), both variants start from the same weights, and the mask ran through an attention backend."""
+    out = tmp_path / "docmask.json"
+    proc = _run("docmask", "--preset", "tiny", "--seq-len", "64", "--docs", "4", "--pairs", "2", "--warmup", "1",
+                "--allow-few-pairs", "--threads", "1", "--no-progress", "--out", str(out))  # fmt: skip
+    result = json.loads(out.read_text())
+    assert (result["mode"], result["seq_len"], result["docs_per_row"], result["pairs"]) == ("docmask", 64, 4, 2)
+    assert result["headline"] is False and result["mask_over_no_mask"]["headline_step_time_ratio"] is None
+    assert len(result["doc_lengths"]) == 4 and sum(result["doc_lengths"]) == 64 and min(result["doc_lengths"]) >= 1
+    assert result["versions"]["torch"] and result["attention_backend"] == "auto"
+    assert all(result["attention_backends_ran"][v] for v in ("no_mask", "mask"))
+    assert [r["variant"] for r in result["results"]] == ["no_mask", "mask"]
+    for r in result["results"]:
+        assert len(r["step_times_s"]) == 2 and _positive(r["tokens_per_s"]) and math.isfinite(r["first_loss"])
+        assert set(r["step_s"]) == {"median", "q1", "q3", "min", "max"}
+    ratio = result["mask_over_no_mask"]
+    assert ratio["pairs"] == 2 and all(_positive(x) for x in ratio["pair_ratios"])
+    assert result["results"][0]["first_loss"] != result["results"][1]["first_loss"]  # the mask changes the loss
+    assert out.with_suffix(".png").stat().st_size > 0
+    assert "step time mask / no mask" in proc.stdout and "not a headline" in proc.stdout
+
+
+def test_docmask_settings_refuse_few_pairs_and_bad_docs() -> None:
+    with pytest.raises(ValueError, match="--allow-few-pairs"):
+        bench.check_docmask_settings(bench.DocmaskSettings(pairs=bench.MIN_HEADLINE_PAIRS - 1))
+    with pytest.raises(ValueError, match="--docs"):
+        bench.check_docmask_settings(bench.DocmaskSettings(seq_len=8, docs=9))
+    bench.check_docmask_settings(bench.DocmaskSettings(pairs=2, allow_few_pairs=True))
 
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------
@@ -118,8 +197,10 @@ def test_write_json_atomic_is_strict_json(tmp_path: Path) -> None:
 
 def test_attention_cases_filter_and_validation() -> None:
     cpu = torch.device("cpu")
-    cases, _ = bench.attention_cases(cpu, torch.float32, ["sdpa"])
-    assert {(c.pe, c.backend) for c in cases} == {("rope", "sdpa"), ("tape", "sdpa")}
+    cases, _ = bench.attention_cases(cpu, torch.float32, ["sdpa"])  # the family: both forced strategies too
+    assert {(c.pe, c.backend) for c in cases} == {
+        ("rope", "sdpa"), ("tape", "sdpa"), ("tape", "sdpa:one_call"), ("tape", "sdpa:two_calls")
+    }
     cases, notes = bench.attention_cases(cpu, torch.float32, ["flash"])  # no CUDA here: nothing, and says why
     assert cases == [] and any("flash" in n for n in notes)
     with pytest.raises(ValueError, match="unknown"):
@@ -133,7 +214,33 @@ def test_attention_flops_rope_backward_is_2_5x_forward() -> None:
     assert tape_fwd / fwd == pytest.approx(1.5)  # QKᵀ once, values twice as wide
 
 
+def test_sp_settings_refuse_few_pairs() -> None:
+    settings = bench.SpSettings(preset="tiny", seq_len=64, pairs=bench.MIN_HEADLINE_PAIRS - 1)
+    with pytest.raises(ValueError, match="--allow-few-pairs"):
+        bench.check_sp_settings(settings)
+    settings.allow_few_pairs = True
+    bench.check_sp_settings(settings)
+    with pytest.raises(ValueError, match="multiple"):
+        bench.check_sp_settings(bench.SpSettings(preset="tiny", seq_len=63, allow_few_pairs=True))
+
+
 def test_parse_overrides() -> None:
     assert bench.parse_overrides(["n_layers=4", "tie_embeddings=true"]) == {"n_layers": 4, "tie_embeddings": True}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         bench.parse_overrides(["n_layers"])
+
+
+def test_interleaved_rounds_rotate_the_order() -> None:
+    """Every round runs each variant once, the order rotated: on a shared machine a slow moment then falls on every
+    variant of that round instead of on whichever ran during it (why one-after-another timings swung 0.90-1.46)."""
+    from tapetrain.bench.pairs import interleaved_times, pair_ratios
+
+    order: list[str] = []
+    calls = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    times = interleaved_times(calls, torch.device("cpu"), warmup=1, rounds=3)
+    assert "".join(order) == "abc" + "abc" + "bca" + "cab"
+    assert {name: len(t) for name, t in times.items()} == {"a": 3, "b": 3, "c": 3}
+    ratio = pair_ratios([2.0, 4.0, 6.0], [1.0, 1.0, 2.0])
+    assert ratio["median"] == 3.0 and (ratio["min"], ratio["max"]) == (2.0, 4.0)
+    assert ratio["pairs"] == 3 and not ratio["headline"]
+    assert pair_ratios([1.0] * 10, [1.0] * 10)["headline"]

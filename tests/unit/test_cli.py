@@ -143,3 +143,57 @@ def test_scrolls_task_choices_are_the_tasks() -> None:
     from tapetrain.data.scrolls import TASKS, ScrollsTask
 
     assert sorted(typing.get_args(ScrollsTask)) == sorted(TASKS)
+
+
+# Each command's output options (dir or file) and the least command line that reaches its function: no input named
+# here exists, so a command that checked its outputs only after reading its inputs (or after the whole evaluation)
+# fails on something else, and a command that checked them late would have done work first.
+OUTPUTS = {
+    "data tokenizer": ({"--out": "file"}, ["--input", "in.txt", "--vocab-size", "100"]),
+    "data prepare": ({"--out": "dir"}, ["--input", "in.txt", "--tokenizer", "tok.model"]),
+    "data arith": ({"--out": "dir"}, []),
+    "data scrolls": ({"--out": "dir"}, ["--task", "qasper", "--input", "in.jsonl", "--tokenizer", "tok.model"]),
+    "eval ppl": ({"--out": "file", "--plot": "file"}, ["model", "--data", "in.bin"]),
+    "eval passkey": ({"--out": "file", "--plot": "file"}, ["model"]),
+    "eval arith": ({"--out": "file", "--plot": "file"}, ["model", "--data", "arith"]),
+    "eval scrolls": ({"--out": "file"}, ["model", "--task", "qasper", "--data", "in.jsonl"]),
+    "eval ruler": ({"--out": "file", "--plot": "file"}, ["model", "--lengths", "1024"]),
+    "export hf": ({"--out": "dir"}, ["run"]),
+    "compare": ({"--out": "dir"}, ["model"]),
+}
+
+
+def test_every_command_that_writes_declares_its_outputs() -> None:
+    from tapetrain.cli import COMMANDS
+
+    for command in COMMANDS:
+        declared = {f"--{name.replace('_', '-')}": kind for name, kind in command.outputs.items()}
+        expected = OUTPUTS.get(command.name, ({}, []))[0]
+        if command.name != "train":  # train's run.out_dir is a config key, checked at start (test_safe_runs)
+            assert declared == expected, command.name
+
+
+@pytest.mark.parametrize("bad", ["under_a_file", "wrong_kind"])
+@pytest.mark.parametrize("command, option", [(c, o) for c, (opts, _) in OUTPUTS.items() for o in opts])
+def test_output_paths_are_checked_before_any_work(command: str, option: str, bad: str, tmp_path: Path,
+                                                  monkeypatch, capsys) -> None:
+    """`eval ppl --out file/x.json` failed with a traceback after the whole evaluation, `export hf --out file/sub`
+    with a traceback; every output of every command is now checked first, in one line naming option and path."""
+    monkeypatch.chdir(tmp_path)
+    kind = OUTPUTS[command][0][option]
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "a_dir").mkdir()
+    if bad == "under_a_file":
+        path, expected = tmp_path / "a_file" / "sub" / "x.json", f"{tmp_path / 'a_file'} is a file, so no directory"
+    elif kind == "dir":
+        path, expected = tmp_path / "a_file", "is a file, not a directory"
+    else:
+        path, expected = tmp_path / "a_dir", "is a directory; name a file"
+    others = [arg for o, k in OUTPUTS[command][0].items() if o != option
+              for arg in (o, str(tmp_path / f"ok{o}" / ("x" if k == "dir" else "x.json")))]
+    code = main([*command.split(), *OUTPUTS[command][1], *others, option, str(path)])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert f"{option} {path}: " in err and expected in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_dir", "a_file"]  # nothing created

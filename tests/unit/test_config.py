@@ -129,6 +129,45 @@ def test_baseline_twins_differ_only_in_pe_and_out_dir(pe):
     assert twin == tape
 
 
+@pytest.mark.parametrize("method", ["yarn", "ntk"])
+def test_rope_scaling_baselines_differ_from_lora_only_in_rope_and_out_dir(method):
+    """The context-extension table compares like with like: the YaRN / NTK-by-parts runs are the LoRA run (itself
+    the TAPE run's data, batch, schedule, steps and evaluation) with another RoPE scaling."""
+    lora = load_run_config(str(REPO / "configs" / "llama2-7b-8k-lora.yaml")).to_dict()
+    run = load_run_config(str(REPO / "configs" / f"llama2-7b-8k-{method}.yaml")).to_dict()
+    scaling = run["model"]["rope_scaling"]
+    assert (scaling["rope_type"], scaling["factor"], scaling["original_max_position_embeddings"]) == ("yarn", 2, 4096)
+    assert scaling["attention_factor"] == (1.0 if method == "ntk" else None)  # NTK-by-parts: no temperature
+    assert (lora["model"]["pi_factor"], run["model"]["pi_factor"]) == (2.0, 1.0)
+    assert run["run"]["out_dir"] == f"runs/llama2-7b-8k-{method}"
+    for d in (lora, run):
+        del d["model"]["pi_factor"], d["model"]["rope_scaling"], d["run"]["out_dir"]
+    assert run == lora
+    tape = load_run_config(str(REPO / "configs" / "llama2-7b-8k-tape.yaml")).to_dict()
+    for section in ("data", "optim"):
+        assert run[section] == tape[section]
+    assert {k: v for k, v in run["train"].items() if k not in ("trainable", "lora", "random_position_offset")} == {
+        k: v for k, v in tape["train"].items() if k not in ("trainable", "lora", "random_position_offset")}
+
+
+def test_sequence_parallel_recipes_extend_the_ones_they_build_on():
+    """The 32K SP recipe is the 8K TAPE recipe at 4× the length (interpolation ×8, SP 8, the same tokens per step);
+    the 155M SP recipe is the from-scratch one at 16384 tokens (SP 4, tiled MLP, the same tokens per step)."""
+    for name, base, changed in (
+        ("llama2-7b-32k-tape-sp", "llama2-7b-8k-tape", {"max_seq_len", "pi_factor"}),
+        ("paper-155m-tape-sp", "paper-155m-tape", {"max_seq_len", "activation_checkpointing", "tiled_mlp"}),
+    ):
+        sp = load_run_config(str(REPO / "configs" / f"{name}.yaml")).resolve(8, "cuda")
+        ref = load_run_config(str(REPO / "configs" / f"{base}.yaml")).resolve(8, "cuda")
+        assert sp.parallel.sequence_parallel > 1 and sp.data.seq_len > ref.data.seq_len
+        assert sp.tokens_per_step(8) == ref.tokens_per_step(8)
+        assert sp.optim == ref.optim and sp.deepspeed == ref.deepspeed
+        assert dataclasses.replace(sp.data, seq_len=ref.data.seq_len) == ref.data
+        a, b = dataclasses.asdict(sp.model), dataclasses.asdict(ref.model)
+        differ = {k for k in a if a[k] != b[k]}
+        assert differ == changed - ({"tiled_mlp"} if a["tiled_mlp"] == b["tiled_mlp"] else set()), differ
+
+
 def test_offload_variant_and_tiny_zero3():
     off = load_run_config(str(REPO / "configs" / "paper-155m-tape-zero3-offload.yaml")).deepspeed
     assert (off.zero_stage, off.offload_optimizer, off.offload_params) == (3, True, True)
@@ -307,6 +346,7 @@ def test_data_shorthands(tmp_path):
         (["deepspeed.zero_stage=0", "deepspeed.offload_optimizer=true"], "deepspeed.offload_optimizer"),
         (["data.seq_len=256"], "raise model.max_seq_len to 256"),
         (["data.seq_len=0"], "data.seq_len: must be > 0"),
+        (["data.cache_limit_gb=0"], "data.cache_limit_gb: must be > 0"),
         (["data.train=[]"], "data.train: no training data"),
         (["train.global_batch_size=9"], "use train.global_batch_size=8"),
         (["train.eval_interval=10"], "set data.val or train.eval_interval=0"),
@@ -317,6 +357,7 @@ def test_data_shorthands(tmp_path):
         (["deepspeed.extra={zero_optimization: {stage: 1}}"], "set deepspeed.zero_stage instead"),
         (["deepspeed.extra={train_batch_size: 4}"], "set train.global_batch_size instead"),
         (["deepspeed.timeout_minutes=0"], "deepspeed.timeout_minutes: must be > 0"),
+        (["deepspeed.timeout_minutes=0.1"], "deepspeed.timeout_minutes: must be >= 0.2 (12 s), got 0.1"),
         (["train.profile={start_step: 0}"], "train.profile.start_step: must be > 0"),
         (["train.profile={start_step: 500}"], "profile a step the run reaches, e.g. train.profile.start_step=10"),
         (["logging.wandb={mode: sometimes}"], "logging.wandb.mode"),
@@ -394,7 +435,7 @@ def test_error_in_base_names_the_base_file_line(tmp_path):
 @pytest.mark.parametrize("path", SHIPPED, ids=os.path.basename)
 def test_resolved_config_round_trips(path, tmp_path):
     cfg = load_run_config(path, ["data.train=[{path: a, weight: 2}, b]", "deepspeed.extra={x: {y: [1, 2]}}"])
-    cfg = cfg.resolve(1, "cuda")
+    cfg = cfg.resolve(cfg.parallel.sequence_parallel, "cuda")  # the smallest launch a config can take
     out = tmp_path / "run" / "config.yaml"
     save_resolved(cfg, str(out))
     assert load_run_config(str(out)) == cfg
@@ -520,7 +561,7 @@ def test_arith_tiny_config_fits_its_data(tmp_path):
     cfg = load_run_config(str(REPO / "configs" / "arith-tiny-cpu.yaml")).resolve(1, "cpu")
     assert cfg.model.vocab_size == 16 and cfg.model.max_seq_len >= cfg.data.seq_len
     assert ExampleStore(str(tmp_path / "d")).max_length <= cfg.data.seq_len  # 3+3 digits: 14 tokens
-    assert (cfg.deepspeed.precision, cfg.optim.schedule) == ("fp32", "constant")
+    assert (cfg.deepspeed.precision, cfg.optim.schedule, cfg.train.steps) == ("fp32", "wsd", 3000)
 
 
 SCROLLS_TASKS = ["qasper", "contract_nli", "narrative_qa", "quality", "qmsum", "summ_screen_fd", "gov_report"]
@@ -537,3 +578,49 @@ def test_scrolls_configs_follow_the_paper_recipe(task):
     for d in (base, this):
         del d["data"]["train"], d["run"]["out_dir"]
     assert this == base
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=99999999999999999999999", "train.steps"),
+        ("train.micro_batch_size=100000000", "train.micro_batch_size"),
+        ("train.global_batch_size=1000000000000", "train.global_batch_size"),
+        ("optim.warmup_steps=99999999999999999999999", "optim.warmup_steps"),
+        ("train.save_interval=99999999999999999999999", "train.save_interval"),
+        ("train.eval_steps=99999999999999999999999", "train.eval_steps"),
+        ("data.seq_len=100000000", "data.seq_len"),
+    ],
+)
+def test_values_no_run_can_reach_are_refused_with_the_bound(tmp_path, override, key):
+    message = error_of(tmp_path, override)
+    assert message.startswith(f"{key}: must be <= "), message
+
+
+def test_a_seed_override_gives_each_seed_its_own_run_directory(tmp_path):
+    """`run.seed=S` alone moves the run to OUT_DIR/seed-S: no two seeds (nor a seed run and the config's own run)
+    share a directory, and the layout is the NAME/seed-S group that `tapetrain compare` reads."""
+    text = MINIMAL + "run:\n  out_dir: runs/arith\n  seed: 0\n"
+    plain = load(tmp_path, text=text)
+    seeded = {s: load(tmp_path, f"run.seed={s}", text=text) for s in (0, 1, 2, 7)}
+    assert plain.run.out_dir == "runs/arith" and plain.run.name is None
+    assert {s: c.run.out_dir for s, c in seeded.items()} == {s: f"runs/arith/seed-{s}" for s in seeded}
+    dirs = [plain.run.out_dir, *(c.run.out_dir for c in seeded.values())]
+    assert len(set(dirs)) == len(dirs)
+    assert seeded[7].run.seed == 7 and seeded[7].run.name == "arith-seed-7"
+
+
+def test_an_explicit_out_dir_or_name_wins_over_the_seed_layout(tmp_path):
+    text = MINIMAL + "run:\n  out_dir: runs/arith\n  name: mine\n"
+    explicit = load(tmp_path, "run.seed=3", "run.out_dir=elsewhere", text=text)
+    assert explicit.run.out_dir == "elsewhere" and explicit.run.seed == 3
+    assert load(tmp_path, "run.seed=3", text=text).run.name == "mine"
+
+
+def test_reloading_a_seed_run_config_with_another_seed_does_not_nest(tmp_path):
+    """A seed run's saved config.yaml names runs/NAME/seed-1; loading it with run.seed=2 gives runs/NAME/seed-2."""
+    cfg = load(tmp_path, "run.seed=1", text=MINIMAL + "run:\n  out_dir: runs/arith/\n")
+    saved = tmp_path / "config.yaml"
+    save_resolved(cfg, str(saved))
+    assert load_run_config(str(saved)).run.out_dir == os.path.join("runs/arith", "seed-1")
+    assert load_run_config(str(saved), ["run.seed=2"]).run.out_dir == os.path.join("runs/arith", "seed-2")

@@ -165,3 +165,35 @@ def test_slurm_forwards_sigterm_to_the_ranks(fake_bin, tmp_path):
     assert "forwarding to the ranks" in err
     assert list(record.glob("term.*")), "SIGTERM did not reach the launched process"
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize(
+    "lines, bad_line",
+    [
+        (["node0 slots=1", "node1 8"], "node1 8"),  # DeepSpeed: ValueError traceback from its runner
+        (["node0 slots=1", "node1 slots=8 gpu"], "node1 slots=8 gpu"),  # DeepSpeed: accepted, rank 0 waits silently
+        (["node0 slots=1", "node1 slots=8x"], "node1 slots=8x"),
+        (["node0 slots=1", "node0 slots=2"], "node0 slots=2"),  # the same host twice
+        (["node0 slots=0"], "node0 slots=0"),
+    ],
+)
+def test_multi_node_refuses_a_malformed_hostfile_naming_the_line(fake_bin, tmp_path, lines, bad_line):
+    env, record = fake_bin
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# nodes\n\n" + "\n".join(lines) + "\n")
+    result = run("multi_node.sh", [str(hostfile), CONFIG], env)
+    assert result.returncode == 2, result.stderr
+    number = 3 + lines.index(bad_line)
+    assert f"{hostfile}:{number}: {bad_line!r}" in result.stderr and "'HOST slots=N'" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not list(record.iterdir())  # deepspeed was never started
+
+
+def test_multi_node_accepts_what_deepspeed_accepts_and_names_the_nodes(fake_bin, tmp_path):
+    env, record = fake_bin
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\n\n  node0 slots=2\t# the first one\nnode1\tslots=2\n\n")
+    result = run("multi_node.sh", [str(hostfile), CONFIG], {**env, "NODE_RANK": "1", "MASTER_ADDR": "node0"})
+    assert result.returncode == 0, result.stderr
+    assert "2 nodes, 4 ranks: node0 (NODE_RANK=0, 2 slots), node1 (NODE_RANK=1, 2 slots)" in result.stderr
+    assert recorded(record)[-3:] == ["--module", "tapetrain.train", CONFIG]

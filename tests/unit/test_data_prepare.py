@@ -206,3 +206,92 @@ def test_c4_json_gz_files_train_a_tokenizer_and_prepare(corpus, tmp_path, capsys
     # the same documents as the uncompressed corpus, tokenized by the same model: the same token count
     plain = prepare([corpus["jsonl"]], str(tmp_path / "tok.model"), str(tmp_path / "plain"), progress=False)
     assert plain["splits"]["train"]["num_tokens"] == manifest["splits"]["train"]["num_tokens"]
+
+
+def test_a_val_split_asked_for_but_empty_is_an_error_and_split_docs_at_fills_it(corpus, tmp_path, capsys):
+    """A .txt.gz is one document: --val-fraction 0.05 used to give an empty val split with only a warning."""
+    from tapetrain.cli import main
+
+    book = tmp_path / "book.txt.gz"
+    book.write_bytes(gzip.compress("\n\n".join(corpus["docs"]).encode()))
+    argv = ["data", "prepare", "--input", str(book), "--tokenizer", corpus["tok"], "--out", str(tmp_path / "d"),
+            "--val-fraction", "0.05"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "no document" in err and "val" in err and "--split-docs-at" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["book.txt.gz"]  # nothing left behind
+    assert main(argv + ["--split-docs-at", "64"]) == 0
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    total = Tokenizer(corpus["tok"]).encode("\n\n".join(corpus["docs"]))
+    assert manifest["split_docs_at"] == 64
+    assert manifest["num_documents"] == -(-len(total) // 64)  # pieces of at most 64 tokens
+    assert manifest["num_tokens"] == len(total) + manifest["num_documents"]  # one EOS per piece
+    assert manifest["splits"]["val"]["num_documents"] > 0 and manifest["splits"]["train"]["num_documents"] > 0
+
+
+def test_split_docs_at_gives_the_same_shards_for_any_number_of_workers(corpus, tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_module, "CHUNK_DOCS", 16)
+    one = prepare([corpus["jsonl"]], corpus["tok"], str(tmp_path / "a"), val_fraction=0.2, split_docs_at=8,
+                  progress=False)
+    two = prepare([corpus["jsonl"]], corpus["tok"], str(tmp_path / "b"), val_fraction=0.2, split_docs_at=8,
+                  workers=2, progress=False)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b") and one["splits"] == two["splits"]
+    assert one["num_documents"] > len(corpus["docs"])
+
+
+def _children(pid: int) -> set[int]:
+    kids: set[int] = set()
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as f:
+            kids.update(int(k) for k in f.read().split())
+    return kids
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan nobody reaps stays in /proc as state Z, dead all the same)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_sigkill_of_prepare_takes_its_workers_down(corpus, tmp_path):
+    """SIGKILL of `data prepare --workers 2` left its tokenizer workers running (hung for minutes, GBs of memory)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    big = tmp_path / "big.jsonl"
+    with open(big, "w", encoding="utf-8") as f:
+        lines = [json.dumps({"text": d}) + "\n" for d in make_docs(2000, seed=1)]
+        for _ in range(200):  # ~85 MB: many seconds of tokenizing on two workers (killed long before the end)
+            f.writelines(lines)
+    cmd = [sys.executable, "-m", "tapetrain.cli", "data", "prepare", "--input", str(big), "--tokenizer",
+           corpus["tok"], "--out", str(tmp_path / "out"), "--workers", "2"]
+    parent = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 60
+        while len(workers) < 2 and time.monotonic() < deadline and parent.poll() is None:
+            workers = _children(parent.pid)
+            time.sleep(0.05)
+        assert len(workers) >= 2, "prepare started no workers"
+        time.sleep(0.3)  # let them start tokenizing
+        assert parent.poll() is None, "prepare finished before it could be killed: make the corpus bigger"
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+        deadline = time.monotonic() + 5
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [w for w in workers if _running(w)]
+        assert not alive, f"workers {alive} outlived their SIGKILLed parent"
+        # a re-run into the same --out starts at once: nothing of the killed run holds it
+        rerun = subprocess.run([*cmd[:6], corpus["jsonl"], *cmd[7:]], capture_output=True, text=True, timeout=120)
+        assert rerun.returncode == 0, rerun.stderr
+        assert not (tmp_path / ".out.prepare.tmp").exists()
+    finally:  # whatever happened, leave no process of this test behind
+        for pid in [parent.pid, *workers]:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -88,15 +88,16 @@ def test_heatmap_png(tmp_path):
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_arith_compare_table_has_one_row_per_pe_and_the_papers_column_at_paper_scale():
+def test_arith_compare_is_a_shim_over_the_package():
+    """tools/arith_compare.py keeps its scales and PEs in tapetrain.eval.arith_sweep (the table is tested in
+    test_arith_seeds.py)."""
     import importlib.util
+
+    from tapetrain.eval import arith_sweep
 
     spec = importlib.util.spec_from_file_location("arith_compare", REPO / "tools" / "arith_compare.py")
     compare = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(compare)
-    reports = {"tape": {"mean_in_distribution": 0.98444, "mean_out_of_distribution": 0.0, "mean_all": 0.24611},
-               "fire": {"mean_in_distribution": 0.5, "mean_out_of_distribution": None, "mean_all": 0.125}}
-    tiny = compare.table(reports, "tiny").splitlines()
-    assert tiny[2:] == ["| TAPE | 98.44 | 0.00 | 24.61 |", "| FIRE | 50.00 | n/a | 12.50 |"]
-    paper = compare.table(reports, "paper").splitlines()
-    assert paper[0].endswith("| paper (whole 2x grid) |") and paper[2].endswith("| 24.61 | 32.82 |")
+    assert compare.SCALES is arith_sweep.SCALES and compare.PES == ("tape", "rope", "randpe", "nope", "fire")
+    args = compare.parse_args(["--scale", "tiny"])
+    assert (args.seeds, args.data_seed, args.model_seed) == (3, 42, 0)

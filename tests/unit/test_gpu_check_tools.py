@@ -97,3 +97,32 @@ def test_kernel_register_budget(tmp_path):
         assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, r
         assert r["shared_bytes"] <= r["shared_limit"], r
     assert proc.returncode == 0, proc.stdout[-2000:]
+
+
+def run_check(report: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "tools" / "kernel_report.py"), "--check", str(report)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)  # fmt: skip
+
+
+def test_committed_kernel_report_lists_the_configs_the_runtime_chooses():
+    """docs/benchmarks/kernel-report.json once listed 6 launch configs (sm_90a, D=128, dk/dv passes) the runtime no
+    longer used; the check compares without ptxas, so it runs everywhere."""
+    pytest.importorskip("triton")
+    proc = run_check(REPO / "docs" / "benchmarks" / "kernel-report.json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
+def test_kernel_report_check_names_a_config_that_changed(tmp_path):
+    pytest.importorskip("triton")
+    report = json.loads((REPO / "docs" / "benchmarks" / "kernel-report.json").read_text())
+    changed = next(r for r in report["records"] if r["chosen"] and r["kernel"] == "_bwd_dq_kernel")
+    changed["config"]["num_warps"] = 2 if changed["config"]["num_warps"] != 2 else 4
+    report["records"] = [r for r in report["records"] if r["kernel"] != "_fwd_kernel" or r["arch"] != "sm_80"]
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    proc = run_check(path)
+    assert proc.returncode == 1
+    assert f"_bwd_dq_kernel {changed['arch']} {changed['head_dim']} {changed['dtype']} {changed['case']}: report" \
+        in proc.stdout  # fmt: skip
+    assert "_fwd_kernel sm_80 64 bf16 tape: launched, missing from the report" in proc.stdout
+    assert "is stale" in proc.stdout and "--out" in proc.stdout

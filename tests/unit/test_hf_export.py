@@ -95,6 +95,21 @@ def test_tape_export_loads_with_remote_code(tape_export):
     assert hf_tok(text, add_special_tokens=False)["input_ids"] == sp.encode(text)
 
 
+def test_export_needs_no_document_mask(tape_export):
+    """A model trained with data.document_mask sees one document per sequence after export: the export's logits on
+    a single document equal the training model's forward with that document's ids (no masking in the export)."""
+    from transformers import AutoModelForCausalLM
+
+    run, out, _ = tape_export
+    ours, _ = load_run_model(str(run))
+    theirs = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.randint(0, ours.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        masked = ours(ids, doc_ids=torch.zeros(2, 40, dtype=torch.int32)).logits
+        exported = theirs(input_ids=ids, use_cache=False).logits
+    assert float((masked - exported).abs().max()) <= ATOL
+
+
 def test_rope_export_is_plain_llama(rope_export):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 

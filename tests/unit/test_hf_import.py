@@ -53,7 +53,8 @@ def test_import_linear_rope_scaling_tied_bin_and_overrides(tmp_path):
                     tie_word_embeddings=True)
     hf.save_pretrained(tmp_path, safe_serialization=False)  # pytorch_model.bin
     model = load_hf_llama(str(tmp_path), pe="tape", max_seq_len=128, tape_head_mix="gain")
-    assert (model.cfg.pi_factor, model.cfg.rope_theta, model.cfg.max_seq_len) == (2.0, 500.0, 128)
+    assert model.cfg.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}  # = pi_factor 2
+    assert model.cfg.max_seq_len == 128
     assert model.cfg.tie_embeddings and model.lm_head.weight is model.embed.weight
     assert max_diff(model, hf, torch.randint(0, VOCAB, (1, 40))) <= 1e-4
 
@@ -72,8 +73,8 @@ def test_import_errors_list_keys(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_hf_llama(str(tmp_path / "nowhere"))
     config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "yarn"}}))
-    with pytest.raises(ValueError, match="yarn"):
+    (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": {"rope_type": "llama3"}}))
+    with pytest.raises(ValueError, match="Llama config.json: rope_parameters: rope_type llama3 needs factor"):
         load_hf_llama(str(tmp_path))
 
 

@@ -13,6 +13,7 @@ from model_helpers import build, randomize_tape
 
 from tapetrain.checkpoint.run_loader import load_run_model, merge_lora
 from tapetrain.distributed import init_distributed
+from tapetrain.errors import InputError
 
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 0}}
 
@@ -206,3 +207,26 @@ def passkey_run_and_export(root: Path) -> tuple[Path, Path, str]:
     run = make_run(root / "run", "tape", tokenizer=tokenizer)
     export_hf(str(run), str(root / "hf"))
     return run, root / "hf", tokenizer
+
+
+def test_a_damaged_checkpoint_is_refused_by_name_before_loading(tmp_path):
+    """Export and evaluation read the newest complete checkpoint; they used to trust it without its manifest: a
+    flipped byte in the weights was exported silently, a truncated file failed deep inside torch.load."""
+    from tapetrain.checkpoint import manifest
+
+    run = make_run(tmp_path / "run", "rope", steps=(1, 2))
+    for step in (1, 2):
+        ckpt = run / "checkpoints" / f"step_{step:08d}"
+        manifest.write_manifest(ckpt, manifest.describe(ckpt, manifest.checkpoint_files(ckpt)))
+    weights = run / "checkpoints" / "step_00000002" / "mp_rank_00_model_states.pt"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(InputError, match=r"step_00000002/mp_rank_00_model_states.pt has xxh3_64 checksum .*--step 1"):
+        load_run_model(str(run))
+    with pytest.raises(InputError, match="mp_rank_00_model_states.pt has xxh3_64 checksum"):
+        load_run_model(str(run / "checkpoints" / "step_00000002"))
+    assert load_run_model(str(run), step=1)[1]["step"] == 1  # the intact one still loads
+    weights.write_bytes(bytes(data[:100]))
+    with pytest.raises(InputError, match="has 100 bytes, the manifest lists"):
+        load_run_model(str(run))

@@ -17,6 +17,8 @@ RULES = [
     ("distributed.py", "tapetrain.train", "the shared process-group module must not depend on the train package"),
     ("distributed.py", "tapetrain.checkpoint", "the shared process-group module must not depend on checkpoint"),
     ("model", "deepspeed", "model code is single-device PyTorch and never imports deepspeed"),
+    ("model", "tapetrain.parallel", "the model sees sequence parallelism only through its SequenceShard protocol"),
+    ("parallel", "tapetrain.train", "parallelism serves training and evaluation alike"),
     (".", "tools", "package code never depends on the tools/ scripts (they are thin shims over the package)"),
 ]
 # Calls that load code by path or bend the import path: the package imports modules by name, and tools/ import the

@@ -63,6 +63,12 @@ def test_llama2_7b_shape_parameter_count():
     assert model.num_params() == 6_738_415_616  # Llama-2-7B's published count
 
 
+def test_llama31_8b_shape_parameter_count():
+    with torch.device("meta"):
+        model = Transformer(preset_config("llama3.1-8b", pe="tape"))
+    assert model.num_params() - model.tape_params() == 8_030_261_248  # Llama-3.1-8B's count (safetensors index)
+
+
 def test_flops_formula_matches_matmul_parameters():
     model = Transformer(preset_config("tiny", pe="rope"))
     cfg, seq = model.cfg, 128

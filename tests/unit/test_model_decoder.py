@@ -57,16 +57,18 @@ def test_sdpa_matches_eager_outputs_and_gradients(pe):
         torch.testing.assert_close(grads_s[name].grad, param.grad, atol=2e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("value_calls", [None, 1, 2])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("t,s", [(9, 9), (1, 9), (4, 11)])
-def test_attention_functions_agree_with_gqa_and_e(causal, t, s):
+def test_attention_functions_agree_with_gqa_and_e(causal, t, s, value_calls):
+    """SDPA's two strategies for TAPE ([V ‖ E] in one call; V and E in two) both equal the eager reference."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, t, 16, generator=g, requires_grad=True)
     k = torch.randn(2, 4, s, 16, generator=g, requires_grad=True)
     v = torch.randn(2, 2, s, 16, generator=g, requires_grad=True)
     e = torch.randn(2, 4, s, 16, generator=g, requires_grad=True)
     ref = eager_attention(q, k, v, e, causal=causal)
-    got = sdpa_attention(q, k, v, e, causal=causal)
+    got = sdpa_attention(q, k, v, e, causal=causal, value_calls=value_calls)
     for a, b in zip(got, ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
     upstream = [torch.randn_like(x) for x in ref]
@@ -74,6 +76,19 @@ def test_attention_functions_agree_with_gqa_and_e(causal, t, s):
     g_got = torch.autograd.grad(got, (q, k, v, e), upstream)
     for a, b in zip(g_got, g_ref, strict=True):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_cpu_sdpa_splits_the_values_from_the_measured_length_on():
+    from tapetrain.model.attention import CPU_TWO_CALLS_FROM_KEYS, sdpa_value_calls
+
+    def calls(s: int, width_e: int = 16, device: str = "cpu") -> int:
+        q, k = torch.empty(1, 4, 1, 16, device=device), torch.empty(1, 4, s, 16, device=device)
+        v, e = torch.empty(1, 2, s, 16, device=device), torch.empty(1, 4, s, width_e, device=device)
+        return sdpa_value_calls(q, k, v, e)
+
+    assert calls(CPU_TWO_CALLS_FROM_KEYS - 1) == 1 and calls(CPU_TWO_CALLS_FROM_KEYS) == 2
+    assert calls(CPU_TWO_CALLS_FROM_KEYS, width_e=32) == 1  # E wider than q/k: no fused kernel for it either
+    assert calls(CPU_TWO_CALLS_FROM_KEYS, device="meta") == 1  # not CPU: one call (fused kernels take any width)
 
 
 def test_bottom_right_causal_alignment():

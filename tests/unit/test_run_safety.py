@@ -120,7 +120,8 @@ def test_a_changed_model_is_refused_naming_every_key(tmp_path):
     assert "run.out_dir" in text and "model.init_from" in text and "model.d_model" not in text
     # how the same model is computed may change
     same = ModelConfig(vocab_size=512, d_model=64, n_layers=2, n_heads=4, pe="tape", attn_backend="eager",
-                       activation_checkpointing=True, compile=True, loss_backend="plain", loss_chunk_mib=64.0)
+                       activation_checkpointing=True, compile=True, loss_backend="plain", loss_chunk_mib=64.0,
+                       tiled_mlp="auto")
     resume_checks.check_same_model(ckpt, same, tmp_path)
 
 

@@ -1,9 +1,9 @@
 """The five TAPE properties listed in README.md "TAPE as implemented", with every TAPE weight randomised to
-non-zero values (fp32)."""
+non-zero values (fp32); shift and O(2) invariance under every RoPE scaling too."""
 
 import pytest
 import torch
-from model_helpers import build, randomize_tape
+from model_helpers import SCALING_THETA, SCALINGS, build, randomize_tape
 
 from tapetrain.model.positions import rotate_pairs
 
@@ -32,6 +32,10 @@ def test_shift_invariance(tape_model):
 
 
 def test_o2_invariance(tape_model):
+    assert_o2_invariant(tape_model)
+
+
+def assert_o2_invariant(tape_model):
     b, t = TOKENS.shape
     cfg = tape_model.cfg
     positions = torch.arange(t, dtype=torch.float64).expand(b, t)
@@ -98,3 +102,18 @@ def test_ablations_remove_modules_and_stay_invariant():
         assert any("tape_mlp" in n for n in names) == mlp_update
         randomize_tape(model)
         torch.testing.assert_close(model(TOKENS, position_offset=777).logits, model(TOKENS).logits, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(SCALINGS))
+def test_shift_and_o2_invariance_under_every_rope_scaling(kind):
+    """24 tokens reach past L₀ = 16: dynamic NTK has grown its base (from the span of positions, which a shift keeps)
+    and longrope uses its long factors; yarn's temperature is on the logits, not on E."""
+    model = build("tape", rope_theta=SCALING_THETA, rope_scaling=SCALINGS[kind])
+    randomize_tape(model)
+    base = model(TOKENS).logits
+    torch.testing.assert_close(model(TOKENS, position_offset=1000).logits, base, atol=2e-5, rtol=0)
+    assert_o2_invariant(model)
+    if kind != "default":  # the scaling changes what the model computes at this length
+        plain = build("tape", rope_theta=SCALING_THETA)
+        plain.load_state_dict(model.state_dict())
+        assert (plain(TOKENS).logits - base).abs().max() > 1e-3

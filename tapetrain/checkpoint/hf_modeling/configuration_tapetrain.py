@@ -10,6 +10,7 @@ except ImportError:  # transformers 4.x
     from transformers import PretrainedConfig as PreTrainedConfig
 
 POSITIONAL_ENCODINGS = ("tape", "rope", "nope", "alibi", "randpe", "xpos", "fire")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # llama/mistral plain, qwen2 q/k/v biases, qwen3 q/k RMSNorm
 
 
 class TapetrainConfig(PreTrainedConfig):
@@ -24,11 +25,14 @@ class TapetrainConfig(PreTrainedConfig):
         num_hidden_layers: int = 12,
         num_attention_heads: int = 12,
         num_key_value_heads: int | None = None,
+        head_dim: int | None = None,  # None = hidden_size / num_attention_heads
+        family: str = "llama",  # the layer layout: llama, mistral, qwen2 (q/k/v biases), qwen3 (q/k RMSNorm)
         max_position_embeddings: int = 1024,  # the training context; longer inputs run (extrapolation)
         rms_norm_eps: float = 1e-5,
         pe: str = "tape",  # tape, rope, nope, alibi, randpe, xpos or fire
         rope_theta: float = 10000.0,
         pi_factor: float = 1.0,  # linear position interpolation: positions are divided by this
+        rotary_scaling: dict | None = None,  # RoPE scaling as transformers' rope_parameters (without rope_theta)
         tape_attn_update: bool = True,  # TAPE: E += (A·E) W_A
         tape_mlp_update: bool = True,  # TAPE: E += W_down(SiLU(W_x m) ⊙ W_up E)
         tape_channels: int | None = None,  # TAPE: MLP-update channels I (None = 4 · heads)
@@ -52,18 +56,22 @@ class TapetrainConfig(PreTrainedConfig):
     ):
         if pe not in POSITIONAL_ENCODINGS:
             raise ValueError(f"pe={pe!r} is not one of {', '.join(POSITIONAL_ENCODINGS)}")
+        if family not in FAMILIES:
+            raise ValueError(f"family={family!r} is not one of {', '.join(FAMILIES)}")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.num_hidden_layers = num_hidden_layers
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads or num_attention_heads
-        self.head_dim = hidden_size // num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.family = family
         self.max_position_embeddings = max_position_embeddings
         self.rms_norm_eps = rms_norm_eps
         self.pe = pe
         self.rope_theta = rope_theta
         self.pi_factor = pi_factor
+        self.rotary_scaling = dict(rotary_scaling) if rotary_scaling else None
         self.tape_attn_update = tape_attn_update
         self.tape_mlp_update = tape_mlp_update
         self.tape_channels = tape_channels

@@ -11,7 +11,9 @@ marked `# Copied from tapetrain.model.<name>` are verbatim copies that tests/uni
     E' = E + W_down(SiLU(W_x m) ⊙ W_up E) MLP-side update; the final E is dropped
 
 E is token-major, (B, T, M, D) per token and head (M = heads): F = D/2 rotate-half blocks (c, s) stored as
-[c ‖ s]; E^(0) is RoPE. Attention takes heads-first views of it, E.transpose(1, 2), as it does of q, k and v.
+[c ‖ s]; E^(0) is RoPE with the model's RoPE scaling (`rotary_scaling`, transformers' rope_parameters spelling;
+YaRN/LongRoPE's attention temperature scales the logits only, never E). Attention takes heads-first views of it,
+E.transpose(1, 2), as it does of q, k and v. `family` adds Qwen2's q/k/v biases or Qwen3's q/k RMSNorm.
 Generation caches rotated keys, values, TAPE's E and the token positions per layer (`TapetrainCache`, which
 `generate` gets in place of its default DynamicCache: greedy, sampling, beam search, assisted and prompt-lookup
 decoding and left-padded batches all run with it). The baselines follow the TAPE paper's (xPos with γ = 2048,
@@ -38,17 +40,116 @@ ROTARY = ("rope", "randpe", "xpos")
 # ---- positions ---------------------------------------------------------------------------------------------------
 
 
+# Copied from tapetrain.model.rope_scaling.rope_parameters
+def rope_parameters(theta: float, pi_factor: float, scaling: dict | None) -> dict:
+    """The rotary settings as one dict, transformers' rope_parameters: {"rope_type", "rope_theta", ...}.
+
+    `pi_factor` (linear position interpolation) is linear scaling: it becomes {"rope_type": "linear", "factor":
+    pi_factor} when `scaling` sets no other type (ModelConfig refuses the two together unless they agree).
+    """
+    params = {k: v for k, v in (scaling or {}).items() if v is not None}
+    params.setdefault("rope_type", "default")
+    if pi_factor != 1.0 and params["rope_type"] == "default":
+        params = {"rope_type": "linear", "factor": float(pi_factor)}
+    return {**params, "rope_theta": float(theta)}
+
+
+# Copied from tapetrain.model.rope_scaling.rope_attention_factor
+def rope_attention_factor(rope: dict) -> float:
+    """The factor transformers multiplies cos and sin by (yarn, longrope; else 1): logits scale by its square."""
+    kind = rope["rope_type"]
+    if kind not in ("yarn", "longrope"):
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = rope["factor"]
+    if kind == "longrope":
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(rope["original_max_position_embeddings"]))
+
+    def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return yarn_mscale(factor, rope["mscale"]) / yarn_mscale(factor, rope["mscale_all_dim"])
+    return yarn_mscale(factor)
+
+
+# Copied from tapetrain.model.rope_scaling.rope_frequencies
+def rope_frequencies(
+    head_dim: int, rope: dict, length: torch.Tensor | None = None, device: torch.device | None = None
+) -> torch.Tensor:
+    """Inverse frequencies θ_f (F,) float64 for `rope` (rope_parameters()); `length` (0-dim tensor) is the forward's
+    length for the length-dependent types (None = up to L₀). Stays on the device: no host synchronisation."""
+    kind, theta = rope["rope_type"], rope["rope_theta"]
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim  # 2f/D, (F,)
+    if kind == "dynamic":  # NTK: a larger base once the length passes L₀
+        original, factor = rope["original_max_position_embeddings"], rope["factor"]
+        if length is None:
+            return theta ** (-exponents)
+        grown = torch.clamp(length.to(torch.float64), min=original)
+        base = theta * (factor * grown / original - (factor - 1)) ** (head_dim / (head_dim - 2))
+        return base ** (-exponents)
+    inv_freq = theta ** (-exponents)
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / rope["factor"]
+    if kind == "longrope":
+        short = torch.tensor(rope["short_factor"], dtype=torch.float64, device=device)
+        if length is None:
+            return inv_freq / short
+        long = torch.tensor(rope["long_factor"], dtype=torch.float64, device=device)
+        return inv_freq / torch.where(length > rope["original_max_position_embeddings"], long, short)
+    if kind == "llama3":
+        original, factor = rope["original_max_position_embeddings"], rope["factor"]
+        low, high = rope["low_freq_factor"], rope["high_freq_factor"]
+        wavelength = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)  # long waves interpolated
+        smooth = (original / wavelength - low) / (high - low)  # 0 at L₀/low .. 1 at L₀/high
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelength >= original / high) & (wavelength <= original / low)
+        return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        original, factor = rope["original_max_position_embeddings"], rope["factor"]
+        beta_fast, beta_slow = rope.get("beta_fast") or 32, rope.get("beta_slow") or 1
+
+        def dim_of(rotations: float) -> float:  # the (fractional) pair index that turns `rotations` times over L₀
+            return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = dim_of(beta_fast), dim_of(beta_slow)
+        if rope.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        if low == high:
+            high += 0.001  # a step instead of a ramp
+        pairs = torch.arange(head_dim // 2, dtype=torch.float64, device=device)
+        ramp = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: fast pairs, kept; 1: slow pairs, interpolated
+        return inv_freq * (1 - ramp) + inv_freq / factor * ramp
+    raise ValueError(f"unknown rope_type {kind!r}")
+
+
+# Copied from tapetrain.model.rope_scaling.frequencies_for
+def frequencies_for(head_dim: int, rope: dict, key_positions: torch.Tensor) -> torch.Tensor:
+    """θ_f (F,) float64 for one forward over `key_positions` (B, S) float64, cached positions included: the
+    length-dependent types use their span max − min + 1 (transformers' max(position_ids) + 1 from position 0;
+    unchanged by a global shift)."""
+    length = None
+    if rope["rope_type"] in ("dynamic", "longrope"):
+        length = key_positions.max() - key_positions.min() + 1
+    return rope_frequencies(head_dim, rope, length, key_positions.device)
+
+
 # Copied from tapetrain.model.positions.rope_angles
-def rope_angles(
-    positions: torch.Tensor, head_dim: int, theta: float, pi_factor: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of t·θ_f, t = position / pi_factor, θ_f = theta^(−2f/D); (..., T) -> (..., T, F) float64.
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of p·θ_f for positions p (..., T) and frequencies θ_f (F,) (rope_scaling.frequencies_for);
+    (..., T) -> (..., T, F) float64.
 
     Computed in float64: fp32 angles at positions in the thousands are off by ~1e-4 rad, enough to break the
     exact shift-invariance of TAPE that the tests check.
     """
-    freqs = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
-    angles = (positions.to(torch.float64) / pi_factor)[..., None] * freqs
+    angles = positions.to(torch.float64)[..., None] * inv_freq.to(torch.float64)
     return torch.cos(angles), torch.sin(angles)
 
 
@@ -179,6 +280,17 @@ class PositionModule(nn.Module):
             self.fire = new_fire(config)
 
 
+def rope_settings(config: TapetrainConfig) -> dict:
+    """transformers-style rope_parameters of the model: rope_theta, pi_factor and rotary_scaling in one dict."""
+    return rope_parameters(config.rope_theta, config.pi_factor, config.rotary_scaling)
+
+
+def attention_scale(config: TapetrainConfig) -> float | None:
+    """YaRN/LongRoPE's temperature on the logits only (never on TAPE's E): factor² / √D, or None = 1/√D."""
+    factor = rope_attention_factor(rope_settings(config))
+    return None if factor == 1.0 else factor**2 / math.sqrt(config.head_dim)
+
+
 def randpe_draw(n: int, config: TapetrainConfig, device) -> torch.Tensor:
     """(n,) float64: n sorted distinct integers from [0, max(randpe range, n)), the range 2·max_len by default."""
     return draw_positions(n, randpe_limit(config.randpe_max_position, config.max_position_embeddings), device)
@@ -187,14 +299,15 @@ def randpe_draw(n: int, config: TapetrainConfig, device) -> torch.Tensor:
 class PositionContext:
     """Per-forward positional inputs shared by all layers (see tapetrain.model.positions).
 
-    cos, sin (B, 1, T, F); xpos an XposDecay; bias (B, H, T, S) for alibi/shared fire; tape_init (B, T, M, D) =
-    E^(0), token-major like E everywhere; positions/key_positions (B, T)/(B, S) float64; randpe_index (B, T) long
-    when every layer draws its own randpe positions.
+    inv_freq (F,) float64, this forward's rotary frequencies (rotary_scaling); cos, sin (B, 1, T, F); xpos an
+    XposDecay; bias (B, H, T, S) for alibi/shared fire; tape_init (B, T, M, D) = E^(0), token-major like E
+    everywhere; positions/key_positions (B, T)/(B, S) float64; randpe_index (B, T) long when every layer draws
+    its own randpe positions.
     """
 
     def __init__(self, positions: torch.Tensor, key_positions: torch.Tensor):
         self.positions, self.key_positions = positions, key_positions
-        self.cos = self.sin = self.xpos = self.bias = self.tape_init = self.randpe_index = None
+        self.inv_freq = self.cos = self.sin = self.xpos = self.bias = self.tape_init = self.randpe_index = None
 
 
 def position_context(
@@ -205,8 +318,10 @@ def position_context(
     ctx = PositionContext(positions, key_positions)
     pe, d = config.pe, config.head_dim
     ctx.randpe_index = randpe_index
+    if pe in ("rope", "randpe", "xpos", "tape"):  # every rotary angle comes from these frequencies
+        ctx.inv_freq = frequencies_for(d, rope_settings(config), key_positions)  # (F,)
     if pe in ("rope", "randpe", "xpos", "tape") and randpe_index is None:
-        cos, sin = rope_angles(positions, d, config.rope_theta, config.pi_factor)  # (B, T, F)
+        cos, sin = rope_angles(positions, ctx.inv_freq)  # (B, T, F)
         if pe == "tape":
             e0 = torch.cat([cos, sin], dim=-1).to(dtype)  # (B, T, D)
             ctx.tape_init = e0[:, :, None].expand(-1, -1, config.num_attention_heads, -1)  # (B, T, M, D)
@@ -269,6 +384,20 @@ class TapetrainCache(DynamicCache):
             self.positions = self.positions[:, :length]
 
 
+# transformers 5.24 renamed `past_key_values` to `cache` (forward arguments, generate's model_kwargs, output fields).
+# This file runs under whichever transformers the user has, so it takes both spellings and writes the output field
+# its transformers declares.
+CACHE_KWARGS = ("cache", "past_key_values")
+_OUTPUT_CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def given_cache(cache: Cache | None, past_key_values: Cache | None) -> Cache | None:
+    """The cache a caller passed under either name (both at once is an error, as in transformers)."""
+    if cache is not None and past_key_values is not None:
+        raise ValueError("pass the cache once: as `cache` (transformers >= 5.24) or as `past_key_values`")
+    return cache if cache is not None else past_key_values
+
+
 def as_tapetrain_cache(past_key_values) -> TapetrainCache:
     if past_key_values is None:
         return TapetrainCache()
@@ -301,7 +430,7 @@ def causal_mask(t: int, s: int, device: torch.device) -> torch.Tensor:
     return k_pos <= q_pos
 
 
-def xpos_attention(q, k, v, e, decay: XposDecay, bias=None, key_mask=None):
+def xpos_attention(q, k, v, e, decay: XposDecay, bias=None, key_mask=None, scale=None):
     """attention() with xPos's decay ζ^((p_i − p_j)/γ), query block by block (γ queries each), every block
     centred at its largest query position (XposDecay.factors), so nothing overflows at any length or dtype.
     q, k rotated, not yet decayed; causal, bottom-right aligned."""
@@ -314,17 +443,17 @@ def xpos_attention(q, k, v, e, decay: XposDecay, bias=None, key_mask=None):
         out, out_e = attention(
             q[:, :, first:stop] * q_factor.to(q.dtype), k[:, :, :keys] * k_factor.to(k.dtype), v[:, :, :keys],
             None if e is None else e[:, :, :keys], None if bias is None else bias[..., first:stop, :keys],
-            None if key_mask is None else key_mask[:, :keys],
+            None if key_mask is None else key_mask[:, :keys], scale,
         )
         outs.append(out)
         attended.append(out_e)
     return torch.cat(outs, dim=2), None if e is None else torch.cat(attended, dim=2)
 
 
-def attention(q, k, v, e=None, bias=None, key_mask=None):
+def attention(q, k, v, e=None, bias=None, key_mask=None, scale=None):
     """One softmax over values [V ‖ E]: q (B, H, T, D), k (B, Hk, S, D), v (B, Hkv, S, D), e (B, H, S, D) (the
-    heads-first view of the token-major E) or None, bias (B, H, T, S), key_mask (B, S) bool (False = padding).
-    Returns (A·V, A·E or None)."""
+    heads-first view of the token-major E) or None, bias (B, H, T, S), key_mask (B, S) bool (False = padding),
+    scale the logit scale (None = 1/√D). Returns (A·V, A·E or None)."""
     n_heads, t, s = q.shape[1], q.shape[2], k.shape[2]
     k = expand_heads(k, n_heads)
     dv = v.shape[-1]
@@ -344,7 +473,7 @@ def attention(q, k, v, e=None, bias=None, key_mask=None):
             is_causal = True
         else:
             mask = causal_mask(t, s, q.device)
-    out = F.scaled_dot_product_attention(q, k, values, attn_mask=mask, is_causal=is_causal)
+    out = F.scaled_dot_product_attention(q, k, values, attn_mask=mask, is_causal=is_causal, scale=scale)
     return (out, None) if e is None else (out[..., :dv], out[..., dv:])
 
 
@@ -455,7 +584,7 @@ def randpe_rotation(ctx: PositionContext, config: TapetrainConfig, dtype):
     """One layer's own randpe draw at ctx.randpe_index: cos, sin (B, 1, T, F)."""
     index = ctx.randpe_index
     positions = randpe_draw(int(index.max()) + 1, config, index.device)[index]
-    cos, sin = rope_angles(positions, config.head_dim, config.rope_theta, config.pi_factor)
+    cos, sin = rope_angles(positions, ctx.inv_freq)
     return cos[:, None].to(dtype), sin[:, None].to(dtype)
 
 
@@ -464,10 +593,15 @@ class TapetrainAttention(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.n_heads, self.n_kv, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=False)
+        qkv_bias = config.family == "qwen2"  # Qwen2/2.5: q, k and v projections with biases
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=False)
+        qk_norm = config.family == "qwen3"  # Qwen3: per-head RMSNorm of q and k before the rotation
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.scale = attention_scale(config)
         use_mix = config.pe == "tape" and config.tape_attn_update and updates_state
         self.tape_mix = TapeHeadMix(self.n_heads, config.tape_head_mix) if use_mix else None
 
@@ -476,6 +610,8 @@ class TapetrainAttention(nn.Module):
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # (B, Hkv, T, D)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         e_values = None  # E as extra value channels (B, S, M, D), for layers that update it
         if state is not None:  # TAPE: E (B, T, M, D) is per query head, so keys are expanded before rotation
             groups = self.n_heads // self.n_kv
@@ -495,9 +631,9 @@ class TapetrainAttention(nn.Module):
                 e_values = cache.update_state(e_values, self.layer_idx)
         e_values = e_values.transpose(1, 2) if e_values is not None else None  # (B, M, S, D) view
         if ctx.xpos is not None:
-            out, attended = xpos_attention(q, k, v, e_values, ctx.xpos, bias=bias, key_mask=key_mask)
+            out, attended = xpos_attention(q, k, v, e_values, ctx.xpos, bias=bias, key_mask=key_mask, scale=self.scale)
         else:
-            out, attended = attention(q, k, v, e_values, bias=bias, key_mask=key_mask)
+            out, attended = attention(q, k, v, e_values, bias=bias, key_mask=key_mask, scale=self.scale)
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
             state = self.tape_mix(state, attended.transpose(1, 2))  # A·E back to token-major (B, T, M, D)
@@ -541,7 +677,7 @@ class TapetrainPreTrainedModel(PreTrainedModel):
     config_class = TapetrainConfig
     base_model_prefix = "model"
     _no_split_modules = ["TapetrainDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
     supports_gradient_checkpointing = False
     _supports_sdpa = True
 
@@ -590,6 +726,7 @@ class TapetrainModel(TapetrainPreTrainedModel):
         past_key_values: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         if (input_ids is None) == (inputs_embeds is None):
@@ -602,6 +739,7 @@ class TapetrainModel(TapetrainPreTrainedModel):
         x = inputs_embeds
         b, t = x.shape[:2]
         use_cache = getattr(self.config, "use_cache", True) if use_cache is None else use_cache
+        past_key_values = given_cache(cache, past_key_values)
         cache = as_tapetrain_cache(past_key_values) if (use_cache or past_key_values is not None) else None
         past = cache.get_seq_length() if cache is not None else 0
         index = position_ids.expand(b, t) if position_ids is not None else None
@@ -624,7 +762,8 @@ class TapetrainModel(TapetrainPreTrainedModel):
         state = ctx.tape_init
         for layer in self.layers:
             x, state = layer(x, ctx, state, cache, key_mask)
-        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), past_key_values=cache if use_cache else None)
+        returned = {_OUTPUT_CACHE_FIELD: cache if use_cache else None}
+        return BaseModelOutputWithPast(last_hidden_state=self.norm(x), **returned)
 
 
 class TapetrainForCausalLM(TapetrainPreTrainedModel, GenerationMixin):
@@ -652,9 +791,10 @@ class TapetrainForCausalLM(TapetrainPreTrainedModel, GenerationMixin):
         """generate's default DynamicCache becomes a TapetrainCache before the first forward, so every decoding
         mode (assisted and prompt-lookup decoding need the cache up front) works on the cache this model needs."""
         result = super()._prepare_cache_for_generation(generation_config, model_kwargs, *args, **kwargs)
-        cache = model_kwargs.get("past_key_values")
-        if type(cache) is DynamicCache and cache.get_seq_length() == 0:
-            model_kwargs["past_key_values"] = TapetrainCache()
+        for key in CACHE_KWARGS:  # generate keeps it under "cache" from transformers 5.24 on
+            cache = model_kwargs.get(key)
+            if type(cache) is DynamicCache and cache.get_seq_length() == 0:
+                model_kwargs[key] = TapetrainCache()
         return result
 
     def forward(
@@ -668,6 +808,7 @@ class TapetrainForCausalLM(TapetrainPreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         return_dict: bool | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """labels (B, T) are the input ids (shifted here, as in Llama); -100 = ignore."""
@@ -675,7 +816,7 @@ class TapetrainForCausalLM(TapetrainPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            past_key_values=given_cache(cache, past_key_values),
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
         )
@@ -690,5 +831,6 @@ class TapetrainForCausalLM(TapetrainPreTrainedModel, GenerationMixin):
             loss = F.cross_entropy(
                 logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
             )
-        result = CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=out.past_key_values)
+        returned = getattr(out, _OUTPUT_CACHE_FIELD)
+        result = CausalLMOutputWithPast(loss=loss, logits=logits, **{_OUTPUT_CACHE_FIELD: returned})
         return result if return_dict is not False else result.to_tuple()

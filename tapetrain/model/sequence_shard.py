@@ -1,0 +1,56 @@
+"""Sequence parallelism as the model sees it: each rank of a group holds one contiguous slice of every sequence.
+
+With N ranks in a group, group rank r holds tokens [r·T/N, (r+1)·T/N) of each of the B sequences. Everything in
+the model works per token (embeddings, norms, projections, SwiGLU, TAPE's rotations and both state updates, the
+loss) except attention and what is positional across the whole sequence, so the model asks its shard for three
+things only:
+
+    attend   the Ulysses exchange: token slices of all heads in, whole sequences of H/N heads to a local attention
+             function, token slices of all heads back
+    sum      a sum over the group, without gradient (the loss's token counts and the group's loss)
+    same     a tensor as the group's first rank holds it (RandPE: one draw of positions per sequence)
+
+`tapetrain.parallel` implements it over DeepSpeed-Ulysses; the model never imports that (it stays plain PyTorch).
+A model is given its shard with `Transformer.shard_sequence`; training and evaluation use it alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+# (q, k, values) of whole sequences for this rank's heads, token-major (B, T, h, ·) -> (B, T, h, Dv)
+LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SequenceShard(Protocol):
+    rank: int  # this rank's slice of every sequence (its rank in the group)
+    size: int  # N, ranks in the group
+
+    def attend(self, local_attention: LocalAttention, q: torch.Tensor, k: torch.Tensor,
+               values: torch.Tensor) -> torch.Tensor:
+        """q (B, T/N, H, D), k (B, T/N, Hk, D), values (B, T/N, Hv, Dv), token-major slices, with H, Hk and Hv
+        multiples of N -> (B, T/N, H, Dv). `local_attention` runs on whole sequences of this rank's H/N heads (and
+        Hk/N, Hv/N of the keys and values), heads r·H/N ... (r+1)·H/N − 1."""
+        ...
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        """x summed over the group (a new tensor, no gradient)."""
+        ...
+
+    def same(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the group's first rank holds it (a new tensor, no gradient)."""
+        ...
+
+
+def local_tokens(shard: SequenceShard, length: int) -> slice:
+    """This rank's tokens of a sequence of `length` tokens (a multiple of shard.size)."""
+    per_rank = length // shard.size
+    return slice(shard.rank * per_rank, (shard.rank + 1) * per_rank)
+
+
+def local_heads(shard: SequenceShard, n_heads: int) -> slice:
+    """The query heads this rank attends with inside `attend` (n_heads a multiple of shard.size)."""
+    return local_tokens(shard, n_heads)

@@ -1,0 +1,114 @@
+"""Which rank is missing when a collective times out: every rank's heartbeat file under the run directory.
+
+A rank that hangs (SIGSTOP, a stuck kernel, a dead machine) leaves the others blocked in their next collective
+until deepspeed.timeout_minutes; the error torch then raises says only that a receive timed out. So a tiny daemon
+thread on every rank rewrites RUN_DIR/heartbeats/rankN.json every HEARTBEAT_SECONDS with the step it is on; the
+rank whose collective timed out reads the others' files and names the ranks whose heartbeat stopped or that are
+behind its step. A stopped process stops its thread too; a rank stuck in a kernel keeps beating at an old step.
+Heartbeat times are wall-clock seconds: across machines they assume synchronised clocks (NTP), as logs do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+HEARTBEAT_DIR = "heartbeats"
+HEARTBEAT_SECONDS = 2.0
+STALE_SECONDS = 3 * HEARTBEAT_SECONDS + 1  # a beat or two may be late on a busy machine; three are not
+
+
+def heartbeat_path(run_dir: Path, rank: int) -> Path:
+    return run_dir / HEARTBEAT_DIR / f"rank{rank}.json"
+
+
+class Heartbeat:
+    """Writes this rank's heartbeat file from a daemon thread until stop(); `step` is the step being worked on."""
+
+    def __init__(self, run_dir: Path, rank: int, step: int):
+        self.path = heartbeat_path(run_dir, rank)
+        self.rank = rank
+        self.step = step
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name=f"tapetrain-heartbeat-{rank}", daemon=True)
+
+    def start(self) -> Heartbeat:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()  # before the first collective of the loop
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    def _beat(self) -> None:
+        while not self._stopped.wait(HEARTBEAT_SECONDS):
+            try:
+                self._write()
+            except OSError:  # a full or vanished disk: the save path reports it; never kill the rank from here
+                pass
+
+    def _write(self) -> None:
+        record = {
+            "rank": self.rank,
+            "step": self.step,
+            "time": time.time(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+        }
+        tmp = self.path.with_name(f"{self.path.name}.tmp")
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, self.path)  # a reader never sees half a file
+
+
+@dataclass(frozen=True)
+class RankBeat:
+    """Another rank's last heartbeat as seen now (age in seconds; None where it never wrote one)."""
+
+    rank: int
+    step: int | None = None
+    age_s: float | None = None
+    host: str = "?"
+    pid: int | None = None
+
+    def describe(self) -> str:
+        if self.age_s is None:
+            return f"rank {self.rank}: no heartbeat"
+        return (
+            f"rank {self.rank}: last heartbeat {self.age_s:.0f} s ago, at step {self.step}, host {self.host} "
+            f"pid {self.pid}"
+        )
+
+
+def read_beats(run_dir: Path, world_size: int, skip_rank: int) -> list[RankBeat]:
+    """Every other rank's last heartbeat."""
+    now = time.time()
+    beats = []
+    for rank in range(world_size):
+        if rank == skip_rank:
+            continue
+        try:
+            record = json.loads(heartbeat_path(run_dir, rank).read_text())
+        except (OSError, ValueError):
+            beats.append(RankBeat(rank))
+            continue
+        beats.append(
+            RankBeat(
+                rank,
+                int(record["step"]),
+                max(0.0, now - float(record["time"])),
+                record.get("host", "?"),
+                record.get("pid"),
+            )
+        )
+    return beats
+
+
+def missing_ranks(beats: list[RankBeat], step: int) -> list[RankBeat]:
+    """The ranks that cannot have reached this step's collective: heartbeat stopped (or never written), or behind."""
+    return [b for b in beats if b.age_s is None or b.age_s > STALE_SECONDS or (b.step is not None and b.step < step)]

@@ -1,0 +1,169 @@
+"""The multi-seed addition table: its means, sds and ranges are those of the per-seed result files, a difference is
+"resolved" only when the per-seed ranges are disjoint, and the summary files say so."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tapetrain.eval.arith import summarize
+from tapetrain.eval.arith_seeds import (
+    METRICS,
+    Spread,
+    cell_stats,
+    chance_of_separation,
+    compare_pair,
+    markdown_table,
+    pairwise,
+    spreads,
+)
+from tapetrain.eval.arith_sweep import NAMES, PAPER, SeedPair, Sweep, seed_pairs, write_summary
+
+
+def fake_report(rng: np.random.Generator, skill: float, train: int = 2, size: int = 3) -> dict:
+    """A result in the format `tapetrain eval arith` writes: summarize()'s cells and means plus its header keys."""
+    counts = {}
+    for la in range(1, size + 1):
+        for lb in range(1, size + 1):
+            p = skill if la <= train and lb <= train else skill / 10
+            counts[(la, lb)] = (int(rng.binomial(20, p)), 20)
+    return {
+        "model": "runs/x",
+        "train_max_digits": train,
+        "eval_max_digits": size,
+        "problems": 20 * size * size,
+        **summarize(counts, train),
+    }
+
+
+def write_results(root: Path, skills: dict[str, list[float]]) -> dict[str, list[Path]]:
+    rng = np.random.default_rng(0)
+    files: dict[str, list[Path]] = {}
+    for pe, per_seed in skills.items():
+        files[pe] = []
+        for seed, skill in enumerate(per_seed):
+            path = root / "results" / pe / f"seed-{seed}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(fake_report(rng, skill)))
+            files[pe].append(path)
+    return files
+
+
+def test_summary_numbers_are_recomputed_from_the_per_seed_files(tmp_path):
+    files = write_results(tmp_path, {"tape": [0.95, 0.6, 0.9], "rope": [0.5, 0.4, 0.7], "nope": [0.2, 0.1, 0.3]})
+    reports = {pe: [json.loads(p.read_text()) for p in paths] for pe, paths in files.items()}
+    sweep = Sweep(out=tmp_path, pes=list(files), pairs=seed_pairs(3), config="c.yaml", data_args=[])
+    write_summary(sweep, reports)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for pe, paths in files.items():
+        for metric in METRICS:
+            values = [json.loads(p.read_text())[metric] for p in paths]
+            got = summary["results"][pe][metric]
+            assert got["per_seed"] == values
+            assert got["mean"] == pytest.approx(sum(values) / 3)
+            assert got["sd"] == pytest.approx(statistics.stdev(values))
+            assert (got["min"], got["max"]) == (min(values), max(values))
+    assert summary["seed_pairs"][2] == {"data_seed": 44, "model_seed": 2}
+    md = (tmp_path / "summary.md").read_text()
+    tape = summary["results"]["tape"]["mean_in_distribution"]
+    assert (
+        f"| TAPE | {100 * tape['mean']:.1f} ± {100 * tape['sd']:.1f} ({100 * tape['min']:.1f}–"
+        f"{100 * tape['max']:.1f}) |"
+    ) in md
+    assert "ranges (min–max) do not overlap" in md and "(0.100 for N = 3)" in md
+    assert (tmp_path / "heatmaps.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_per_cell_mean_and_sd_over_seeds():
+    rng = np.random.default_rng(1)
+    runs = [fake_report(rng, s) for s in (0.2, 0.8)]
+    mean, sd = cell_stats(runs)
+    first = {(c["len_a"], c["len_b"]): c["accuracy"] for c in runs[0]["cells"]}
+    second = {(c["len_a"], c["len_b"]): c["accuracy"] for c in runs[1]["cells"]}
+    a, b = 100 * first[(1, 2)], 100 * second[(1, 2)]
+    assert mean[0, 1] == pytest.approx((a + b) / 2) and sd[0, 1] == pytest.approx(abs(a - b) / math.sqrt(2))
+
+
+def test_resolved_only_when_per_seed_ranges_are_disjoint():
+    high, low = Spread((0.90, 0.95, 0.92)), Spread((0.50, 0.60, 0.55))
+    verdict = compare_pair(high, low)
+    assert verdict["resolved"] and verdict["leader"] == "a" and verdict["a_better_seeds"] == 3
+    assert compare_pair(low, high)["leader"] == "b"
+    # one bad seed makes the ranges overlap although the first PE is better on 2 of 3 seeds: unresolved
+    wide = Spread((0.50, 0.97, 0.96))
+    verdict = compare_pair(wide, high)
+    assert not verdict["resolved"] and verdict["leader"] is None and verdict["a_better_seeds"] == 2
+    assert not compare_pair(Spread((0.6, 0.7)), Spread((0.5, 0.6)))["resolved"]  # touching ranges overlap
+    assert not compare_pair(Spread((0.9,)), Spread((0.1,)))["resolved"]  # one seed never resolves anything
+    assert chance_of_separation(3) == pytest.approx(0.1) and chance_of_separation(5) == pytest.approx(2 / 252)
+
+
+def test_pairwise_verdicts_name_the_leader():
+    table = spreads(
+        {
+            pe: [{m: v for m in METRICS} for v in values]
+            for pe, values in {"tape": [0.9, 0.95], "rope": [0.5, 0.92], "nope": [0.1, 0.2]}.items()
+        }
+    )
+    resolved = {(r["a"], r["b"]): r["leader"] for r in pairwise(table) if r["metric"] == "mean_all"}
+    assert resolved == {("tape", "rope"): None, ("tape", "nope"): "tape", ("rope", "nope"): "rope"}
+
+
+def test_table_cells_and_the_papers_column():
+    table = spreads({"tape": [{m: 0.98444 for m in METRICS}], "fire": [{m: 0.5 for m in METRICS}]})
+    lines = markdown_table(table, NAMES, PAPER).splitlines()
+    assert lines[0].endswith("| paper (whole 2x grid) |")
+    assert lines[2:] == ["| TAPE | 98.4 | 98.4 | 98.4 | 32.82 |", "| FIRE | 50.0 | 50.0 | 50.0 | 26.98 |"]
+
+
+def test_seed_pairs_move_data_and_model_seed_together():
+    assert seed_pairs(3) == [SeedPair(42, 0), SeedPair(43, 1), SeedPair(44, 2)]
+    assert seed_pairs(2, 7, 5) == [SeedPair(7, 5), SeedPair(8, 6)]
+    sweep = Sweep(out=Path("o"), pes=["tape"], pairs=seed_pairs(2), config="c.yaml", data_args=[])
+    dirs = {sweep.run_dir("tape", p) for p in sweep.pairs} | {sweep.run_dir("rope", p) for p in sweep.pairs}
+    assert len(dirs) == 4 and sweep.run_dir("tape", SeedPair(43, 1)) == Path("o/runs/tape/seed-1")
+
+
+def test_loss_curves_are_each_runs_logged_losses(tmp_path):
+    """loss_curves.json holds every (step, loss) each run logged, seed by seed; a run not on disk is left out."""
+    files = write_results(tmp_path, {"tape": [0.9, 0.8], "rope": [0.7, 0.6]})
+    reports = {pe: [json.loads(p.read_text()) for p in paths] for pe, paths in files.items()}
+    sweep = Sweep(out=tmp_path, pes=list(files), pairs=seed_pairs(2), config="c.yaml", data_args=[])
+    logged = {}
+    for pe, pair in (("tape", sweep.pairs[0]), ("tape", sweep.pairs[1]), ("rope", sweep.pairs[1])):
+        rows = [{"step": s, "loss": 2.0 / s + pair.model_seed, "lr": 1e-3} for s in (50, 100, 150)]
+        metrics = sweep.run_dir(pe, pair) / "metrics.jsonl"
+        metrics.parent.mkdir(parents=True)
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 200, "lo')  # a line being written
+        logged.setdefault(pe, {})[f"seed-{pair.model_seed}"] = [[r["step"], r["loss"]] for r in rows]
+    write_summary(sweep, reports)
+    assert json.loads((tmp_path / "loss_curves.json").read_text()) == logged
+    assert (tmp_path / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_committed_multi_seed_table_is_its_per_seed_results():
+    """docs/results/arith-tiny: summary.json's means, sds and ranges recomputed from the committed per-seed JSONs,
+    and summary.md's rows from summary.json (what recipes.md quotes)."""
+    root = Path(__file__).resolve().parents[2] / "docs" / "results" / "arith-tiny"
+    summary = json.loads((root / "summary.json").read_text())
+    seeds = [pair["model_seed"] for pair in summary["seed_pairs"]]
+    assert len(seeds) == 5 and set(summary["pes"]) == {"tape", "rope", "randpe", "nope", "fire"}
+    reports = {pe: [json.loads((root / "results" / pe / f"seed-{m}.json").read_text()) for m in seeds]
+               for pe in summary["pes"]}  # fmt: skip
+    recomputed = spreads(reports)
+    for pe in summary["pes"]:
+        for metric in METRICS:
+            got, want = summary["results"][pe][metric], recomputed[pe][metric]
+            assert got["per_seed"] == list(want.values)
+            assert (got["mean"], got["min"], got["max"]) == pytest.approx((want.mean, want.low, want.high))
+            assert got["sd"] == pytest.approx(want.sd)
+    md = (root / "summary.md").read_text()
+    tape = summary["results"]["tape"]["mean_in_distribution"]
+    assert f"| TAPE | {100 * tape['mean']:.1f} ± {100 * tape['sd']:.1f}" in md
+    assert min(summary["results"]["tape"]["mean_in_distribution"]["per_seed"]) >= 0.95
+    assert min(summary["results"]["rope"]["mean_in_distribution"]["per_seed"]) >= 0.95

@@ -1,0 +1,135 @@
+"""The Triton kernel with packed documents (per-token ids), exact against eager, forward and backward.
+
+Without CUDA it runs in Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is imported) with 16×16
+tiles: documents that start and end inside tiles and whole key tiles outside a query tile's documents (skipped
+by the loop bounds) are both exercised.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton")
+
+from tapetrain.kernels.tape_attention import tape_attention  # noqa: E402
+from tapetrain.model.attention import eager_attention  # noqa: E402
+from tapetrain.model.documents import DocumentMask  # noqa: E402
+from tests.unit.test_document_mask import (  # noqa: E402
+    LAYOUTS,
+    make_model,
+    packed_batch,
+    run_packed,
+    run_separately,
+)
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _ids(lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(torch.int32)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("with_e", [True, False])
+def test_kernel_matches_eager_with_documents(causal: bool, with_e: bool):
+    # 56 tokens = 4 query tiles of 16; row 0: a 40-token document spanning tiles, then short ones; row 1 other cuts
+    docs = torch.stack([_ids([40, 3, 13]), _ids([5, 11, 16, 24])]).to(DEV)
+    gen = torch.Generator(device=DEV).manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, device=DEV).requires_grad_()
+
+    q, k, v = rnd(2, 4, 56, 16), rnd(2, 2, 56, 16), rnd(2, 1, 56, 16)  # GQA: H = 4, Hk = 2, Hv = 1
+    e = rnd(2, 4, 56, 16) if with_e else None
+    mask = DocumentMask.of(docs)
+    go, goe = torch.randn(2, 4, 56, 16, device=DEV), torch.randn(2, 4, 56, 16, device=DEV)
+    leaves = [q, k, v] + ([e] if with_e else [])
+
+    def run(fn, **kw):
+        o, oe = fn(q, k, v, e, causal=causal, **kw)
+        loss = (o * go).sum() + ((oe * goe).sum() if with_e else 0)
+        return [o, oe] if with_e else [o], torch.autograd.grad(loss, leaves)
+
+    outs, grads = run(tape_attention, q_doc=mask.q_ids, k_doc=mask.k_ids)
+    ref_outs, ref_grads = run(eager_attention, docs=mask)
+    for a, b in zip(outs + list(grads), ref_outs + list(ref_grads), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_kernel_decode_alignment_with_documents():
+    """T < S (a query block of xPos): queries are the last T keys, bottom-right aligned."""
+    docs = torch.stack([_ids([20, 12]), _ids([9, 23])]).to(DEV)
+    mask = DocumentMask.of(docs).slice(16, 32, 32)
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    q, k, v, e = (torch.randn(2, 2, n, 16, generator=gen, device=DEV) for n in (16, 32, 32, 32))
+    got = tape_attention(q, k, v, e, q_doc=mask.q_ids, k_doc=mask.k_ids)
+    ref = eager_attention(q, k, v, e, docs=mask)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pe", ["tape", "rope", "nope", "xpos"])
+def test_packed_documents_equal_separate_runs_triton(pe: str):
+    """The model on the Triton kernel (interpreter): logits, loss and gradients of the packed batch are those of
+    the documents run alone (which use no mask)."""
+    model = make_model(pe, "triton").train()
+    ids, labels, docs = packed_batch()
+    assert [len(row) for row in LAYOUTS] == [3, 2]
+    logits, loss, g = run_packed(model, ids, labels, docs)
+    ref_logits, ref_loss, ref_g = run_separately(model, ids, labels)
+    torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
+    assert g.keys() == ref_g.keys()
+    for name in g:
+        torch.testing.assert_close(g[name], ref_g[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_cu_seqlens_of_rows_and_documents():
+    from tapetrain.kernels.flash import cu_seqlens
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2], [3, 3, 4, 4, 4, 4]])
+    cu_q, cu_k, max_q, max_k = cu_seqlens(ids, ids)
+    assert cu_q.tolist() == cu_k.tolist() == [0, 3, 5, 6, 8, 12] and max_q == max_k == 4
+    cu_q, cu_k, max_q, _ = cu_seqlens(ids[:, 4:], ids)  # a query block: documents without queries have length 0
+    assert cu_q.tolist() == [0, 0, 1, 2, 2, 4] and cu_k.tolist() == [0, 3, 5, 6, 8, 12] and max_q == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA and flash-attn")
+@pytest.mark.parametrize("with_e", [True, False])
+def test_flash_varlen_matches_eager_with_documents(with_e: bool):
+    pytest.importorskip("flash_attn")
+    from tapetrain.kernels.flash import flash_tape_attention
+
+    docs = DocumentMask.of(torch.stack([_ids([300, 40, 172]), _ids([100, 412])]).cuda())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v, e = (torch.randn(2, 4, 512, 64, generator=gen, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    e = e if with_e else None
+    got = flash_tape_attention(q, k[:, :2], v[:, :2], e, docs=docs)
+    ref = eager_attention(q.float(), k[:, :2].float(), v[:, :2].float(), None if e is None else e.float(), docs=docs)
+    torch.testing.assert_close(got[0].float(), ref[0], atol=2e-2, rtol=0)
+    if with_e:
+        torch.testing.assert_close(got[1].float(), ref[1], atol=2e-2, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (FlexAttention has no CPU backward)")
+def test_flex_gradients_match_eager_with_documents():
+    from tapetrain.model.flex import flex_document_attention
+
+    docs = DocumentMask.of(torch.stack([_ids([300, 40, 172]), _ids([100, 412])]).cuda())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    leaves = [torch.randn(2, 4, 512, 64, generator=gen, device="cuda").requires_grad_() for _ in range(4)]
+
+    def run(fn, **kw):
+        o, oe = fn(*leaves, docs=docs, **kw)
+        return [o, oe, *torch.autograd.grad(o.square().sum() + oe.sum(), leaves)]
+
+    for a, b in zip(run(flex_document_attention), run(eager_attention), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+

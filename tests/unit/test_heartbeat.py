@@ -1,0 +1,37 @@
+"""Heartbeat files: which ranks a rank whose collective timed out reports as missing."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from tapetrain.train.heartbeat import STALE_SECONDS, Heartbeat, heartbeat_path, missing_ranks, read_beats
+
+
+def write_beat(run_dir, rank: int, step: int, age_s: float) -> None:
+    path = heartbeat_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"rank": rank, "step": step, "time": time.time() - age_s, "host": "h", "pid": 7}))
+
+
+def test_stale_behind_and_absent_ranks_are_missing(tmp_path):
+    write_beat(tmp_path, 1, 5, age_s=1)  # fresh, same step: arrived (or on its way)
+    write_beat(tmp_path, 2, 5, age_s=STALE_SECONDS + 5)  # stopped
+    write_beat(tmp_path, 3, 4, age_s=1)  # alive but stuck in an earlier step
+    beats = read_beats(tmp_path, world_size=5, skip_rank=0)  # rank 4 never wrote one
+    assert [b.rank for b in missing_ranks(beats, step=5)] == [2, 3, 4]
+    described = {b.rank: b.describe() for b in beats}
+    assert described[2].startswith("rank 2: last heartbeat 1") and "at step 5, host h pid 7" in described[2]
+    assert described[4] == "rank 4: no heartbeat"
+
+
+def test_the_thread_writes_the_current_step(tmp_path):
+    beat = Heartbeat(tmp_path, 0, 1).start()
+    try:
+        beat.step = 3
+        deadline = time.time() + 10
+        while json.loads(heartbeat_path(tmp_path, 0).read_text())["step"] != 3:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    finally:
+        beat.stop()
