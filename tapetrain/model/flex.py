@@ -47,18 +47,17 @@ def _compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def document_block_mask(docs: DocumentMask, causal: bool, block: int = 128):
-    """A BlockMask of (B, 1, T, S): same document and (if causal) key <= query, bottom-right aligned; built once
-    per DocumentMask (every layer of a forward shares it)."""
+def document_block_mask(docs: DocumentMask, causal: bool, block: int = 128, offset: int | None = None):
+    """A BlockMask of (B, 1, T, S): same document and (if causal) key <= query + offset, offset = S − T by default
+    (bottom-right aligned); built once per DocumentMask (every layer of a forward shares it)."""
     from torch.nn.attention.flex_attention import create_block_mask
-
-    key = ("flex", causal, block)
-    if key in docs.cache:
-        return docs.cache[key]
 
     q_ids, k_ids = docs.q_ids, docs.k_ids
     t, s = q_ids.shape[1], k_ids.shape[1]
-    off = s - t
+    off = s - t if offset is None else offset
+    key = ("flex", causal, block, off)
+    if key in docs.cache:
+        return docs.cache[key]
 
     def mask_mod(b, h, q_idx, kv_idx):
         same = q_ids[b, q_idx] == k_ids[b, kv_idx]
@@ -94,7 +93,10 @@ def flex_document_attention(
     elif k.shape[1] != v.shape[1]:
         k = k.repeat_interleave(n_heads // k.shape[1], dim=1)
         v = v.repeat_interleave(n_heads // v.shape[1], dim=1)
-    mask = document_block_mask(docs, causal)
+    t, offset = q.shape[2], k.shape[2] - q.shape[2]  # the causal alignment of the unpadded shapes
+    if compiled and q.device.type == "cpu":
+        q, k, v, docs = _pad_to_block_grid(q, k, v, docs)
+    mask = document_block_mask(docs, causal, offset=offset)
     gqa = k.shape[1] != n_heads
     if compiled and not torch.compiler.is_compiling():
         failures = _compile_failures()
@@ -104,6 +106,31 @@ def flex_document_attention(
             raise CompileError(str(err).splitlines()[0] if str(err) else type(err).__name__) from err
     else:
         out = flex_attention(q, k, v, block_mask=mask, scale=scale, enable_gqa=gqa)
+    out = out[:, :, :t]  # drop the grid padding's query rows
     if e is None:
         return out, None
     return out[..., :dv], out[..., dv:]
+
+
+BLOCK = 128
+
+
+def _pad_to_block_grid(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, docs: DocumentMask
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, DocumentMask]:
+    """Pad T and S up to multiples of the 128-token block. Compiled flex on CPU (torch 2.13) gave wrong rows, even
+    NaN, for lengths off that grid on some CPUs. Padded queries get document id -1 and padded keys -2, so no pair
+    with padding is ever unmasked; both are appended at the end (the caller keeps the unpadded S − T alignment)."""
+    t, s = q.shape[2], k.shape[2]
+    pad_t, pad_s = -t % BLOCK, -s % BLOCK
+    if pad_t == 0 and pad_s == 0:
+        return q, k, v, docs
+    key = ("flex-padded", pad_t, pad_s)
+    if key not in docs.cache:  # one padded mask per DocumentMask, so every layer shares its BlockMask
+        pad = torch.nn.functional.pad
+        docs.cache[key] = DocumentMask(pad(docs.q_ids, (0, pad_t), value=-1), pad(docs.k_ids, (0, pad_s), value=-2))
+
+    def grow(x: torch.Tensor, n: int) -> torch.Tensor:  # (B, H, L, D) -> (B, H, L + n, D), zeros appended
+        return torch.nn.functional.pad(x, (0, 0, 0, n))
+
+    return grow(q, pad_t), grow(k, pad_s), grow(v, pad_s), docs.cache[key]
