@@ -59,14 +59,17 @@ def _forward_memory(s: LayerSettings, n_layers: int, device: torch.device) -> di
 def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
     """Per-layer activation bytes = (model with 3 layers) − (model with 2 layers): everything else (embedding,
     logits, the last layer, which updates no state) cancels. Compared with memory.layer_activation_bytes."""
-    from tapetrain.train.memory import layer_activation_bytes
+    from tapetrain.model.tiling import tile_count
+    from tapetrain.train.memory import layer_activation_bytes, tiled_mlp_peak_bytes
 
     device = pick_device(s.device)
     two = _forward_memory(s, 2, device)
     three = _forward_memory(s, 3, device)
     cfg = three.pop("cfg")
     two.pop("cfg")
-    estimate = layer_activation_bytes(cfg, s.batch, s.seq_len, bytes_per_value=DTYPES[s.dtype].itemsize)
+    value_bytes = DTYPES[s.dtype].itemsize
+    chunks = tile_count(cfg.tiled_mlp, s.seq_len, cfg.d_model)  # model.tiled_mlp as the model resolves it
+    estimate = layer_activation_bytes(cfg, s.batch, s.seq_len, bytes_per_value=value_bytes, tiled_mlp=chunks)
 
     def diff(key: str) -> int | None:
         return None if three[key] is None else three[key] - two[key]
@@ -81,6 +84,8 @@ def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
         "batch": s.batch,
         "dtype": s.dtype,
         "backend": s.backend,
+        "tiled_mlp_chunks": chunks,
+        "tiled_mlp_recompute_peak_gb": tiled_mlp_peak_bytes(cfg, s.batch, s.seq_len, chunks, value_bytes) / GIB,
         "versions": software_versions(),
         "runs": [two, three],
         "per_layer_measured_gb": {k: (v / GIB if v is not None else None) for k, v in measured.items()},

@@ -29,9 +29,14 @@ def masked_labels(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max |actual − expected| / max |expected|"""
-    actual, expected = actual.detach(), expected.detach()
-    return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
+    """max |actual − expected| / max |expected|; 0 when both are all zeros (a gradient that is exactly 0 at
+    initialisation, as behind TAPE's zero-initialised projections), inf when only the expected one is."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    scale = expected.abs().max()
+    err = (actual - expected).abs().max()
+    if scale == 0:
+        return 0.0 if err == 0 else float("inf")
+    return float(err / scale)
 
 
 def loss_and_grads(hidden, weight, labels, **kwargs):
