@@ -20,6 +20,7 @@ import torch.distributed as dist
 from deepspeed.utils import safe_get_full_grad
 
 from tapetrain.config import RunConfig, build_deepspeed_config
+from tapetrain.distributed import end_rank_process
 from tapetrain.model import Transformer
 from tapetrain.train.optim import build_optimizer
 
@@ -103,3 +104,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_rank_process(0)

@@ -17,7 +17,7 @@ from pathlib import Path
 from torch.overrides import TorchFunctionMode
 
 from tapetrain.config import load_run_config
-from tapetrain.distributed import init_distributed
+from tapetrain.distributed import end_rank_process, init_distributed
 from tapetrain.train.build import build_components
 from tapetrain.train.trainer import Trainer
 
@@ -68,3 +68,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_rank_process(0)

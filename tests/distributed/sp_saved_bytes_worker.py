@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from tapetrain.distributed import skip_cpu_shm_op_build
+from tapetrain.distributed import end_rank_process, skip_cpu_shm_op_build
 from tapetrain.model import Transformer, preset_config
 from tapetrain.train.memory import measure_layer_saved_bytes
 
@@ -50,11 +50,8 @@ def main(argv: list[str]) -> int:
     if dist.get_rank() == 0:
         with open(argv[0], "w") as f:
             json.dump(report, f)
-    dist.barrier()
-    # left to interpreter shutdown, gloo's threads can be destroyed unjoined: a rank then aborts (SIGABRT, exit -6)
-    dist.destroy_process_group()
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main([a for a in sys.argv[1:] if not a.startswith("--local")]))
+    end_rank_process(main([a for a in sys.argv[1:] if not a.startswith("--local")]))

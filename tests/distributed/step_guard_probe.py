@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from tapetrain.config import load_run_config
-from tapetrain.distributed import init_distributed
+from tapetrain.distributed import end_rank_process, init_distributed
 from tapetrain.train.build import build_components
 from tapetrain.train.schedule import lr_at
 from tapetrain.train.trainer import NonFiniteLossError, Trainer
@@ -159,3 +159,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_rank_process(0)

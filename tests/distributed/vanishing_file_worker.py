@@ -34,4 +34,6 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from tapetrain.distributed import end_rank_process
+
+    end_rank_process(main(sys.argv[1:]))

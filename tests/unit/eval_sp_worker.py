@@ -12,11 +12,12 @@ from pathlib import Path
 import torch.distributed as dist
 
 from tapetrain.cli import main
+from tapetrain.distributed import end_rank_process
 
 if __name__ == "__main__":
     dist.init_process_group("gloo")
     for argv in json.loads(Path(sys.argv[1]).read_text()):
         code = main(argv)
         if code:
-            sys.exit(code)
-    dist.destroy_process_group()
+            end_rank_process(code)
+    end_rank_process(0)

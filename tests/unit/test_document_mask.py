@@ -99,7 +99,8 @@ def test_compiled_flex_is_exact_at_lengths_off_the_block_grid(length: int, with_
     from tapetrain.model.flex import flex_document_attention
 
     lengths = [length // 3, length // 4, length - length // 3 - length // 4]
-    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(row)) for row in (lengths, lengths[::-1])])
+    rows = (lengths, lengths[::-1])
+    docs = torch.stack([torch.repeat_interleave(torch.arange(3), torch.tensor(row)) for row in rows])
     gen = torch.Generator().manual_seed(0)
     q, k, v, e = (torch.randn(2, 4, length, 16, generator=gen) for _ in range(4))
     k, v = k[:, :2], v[:, :2]  # GQA
