@@ -10,10 +10,12 @@ and the fused loss and prints the bytes autograd saves for backward (measure_sav
     python tools/memory_estimate.py --measure-saved --preset paper-155m --layers 2 --seq-len 1024 --micro-batch 4
 
 --sequence-parallel N: each GPU holds seq-len / N tokens of every sequence (DeepSpeed-Ulysses); --tiled-mlp
-CHUNKS|auto: model.tiled_mlp. --longest-context prints, per sequence-parallel degree 1, 2, 4, 8 (up to the world
-size), the longest context (a multiple of 1024) whose estimate fits 90% of --gpu-gb, for the 8K TAPE recipe's
-setting (configs/llama2-7b-8k-tape.yaml: ZeRO-2, TAPE + embeddings + norms trained, activation checkpointing, micro
-batch 1), without and with the tiled MLP:
+CHUNKS|auto: model.tiled_mlp; --attention: model.attn_backend on the GPU (auto: cuDNN's SDPA for TAPE on Hopper and
+newer, the larger estimate; triton: the Triton kernel auto takes before Hopper, 2·H·D fewer values per token).
+--longest-context prints, per sequence-parallel degree 1, 2, 4, 8 (up to the world size), the longest context (a
+multiple of 1024) whose estimate fits 90% of --gpu-gb, for the 8K TAPE recipe's setting
+(configs/llama2-7b-8k-tape.yaml: ZeRO-2, TAPE + embeddings + norms trained, activation checkpointing, micro batch 1),
+without and with the tiled MLP:
 
     python tools/memory_estimate.py --longest-context --gpu-gb 80 --world-size 8 --out docs/benchmarks/x.json
 """
@@ -30,6 +32,7 @@ from tapetrain.model import preset_config
 from tapetrain.train.memory import (
     ZeroBuffers,
     as_row,
+    attention_path,
     estimate_memory,
     measure_loss_saved_bytes,
     parameter_counts,
@@ -50,11 +53,14 @@ def main() -> int:
     parser.add_argument("--sequence-parallel", type=int, default=1, help="SP degree N (seq-len / N tokens per GPU)")
     parser.add_argument("--tiled-mlp", default="0", help="model.tiled_mlp: chunks (0 = off) or auto")
     parser.add_argument("--longest-context", action="store_true", help="longest fitting context per SP degree")
+    parser.add_argument("--attention", choices=("auto", "sdpa", "triton", "flash"), default="auto",
+                        help="model.attn_backend on the GPU: the saved tensors depend on the kernel")
     parser.add_argument("--overlap-comm", action="store_true", default=None,
                         help="deepspeed.overlap_comm (two gradient buckets; default: DeepSpeed's, on for stage 3 only)")
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()
     args.tiled_mlp = args.tiled_mlp if args.tiled_mlp == "auto" else int(args.tiled_mlp)
+    args.attention = attention_path(args.attention)  # the path layer_activation_bytes models
     if args.measure_saved:
         return measure(args)
     if args.longest_context:
@@ -76,7 +82,7 @@ def main() -> int:
                     activation_checkpointing=ckpt, offload_optimizer=offload_opt, offload_params=offload_params,
                     fused_loss=args.loss == "fused", lm_head_trainable=count.head_trainable,
                     sequence_parallel=args.sequence_parallel, tiled_mlp=args.tiled_mlp, buffers=buffers,
-                    largest_trainable=count.largest_trainable,
+                    largest_trainable=count.largest_trainable, attention=args.attention,
                 )
                 name = (f"train={mode} ZeRO-{stage}{' +offload-opt' if offload_opt else ''}"
                         f"{' +offload-params' if offload_params else ''} ckpt={'on' if ckpt else 'off'}")
@@ -85,7 +91,7 @@ def main() -> int:
                 rows.append(row)
     print(f"{args.preset} pe={args.pe}: {total / 1e9:.2f}B parameters; seq {args.seq_len}, micro batch "
           f"{args.micro_batch}, {args.world_size} GPUs of {args.gpu_gb:.0f} GB, {args.loss} loss, sequence parallel "
-          f"{args.sequence_parallel}, tiled MLP {args.tiled_mlp} (GiB per GPU below)")
+          f"{args.sequence_parallel}, tiled MLP {args.tiled_mlp}, attention {args.attention} (GiB per GPU below)")
     header = ["setting", "weights_gb", "grads_gb", "optimizer_gb", "buffers_gb", "activations_gb", "logits_gb",
               "context_gb", "total_gpu_gb", "host_offload_gb", "fits"]
     print("| " + " | ".join(header) + " |")
@@ -95,8 +101,8 @@ def main() -> int:
     if args.out:
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump({"preset": args.preset, "pe": args.pe, "seq_len": args.seq_len, "loss": args.loss, "rows": rows},
-                      f, indent=2)
+            json.dump({"preset": args.preset, "pe": args.pe, "seq_len": args.seq_len, "loss": args.loss,
+                       "attention": args.attention, "rows": rows}, f, indent=2)
         os.replace(tmp, args.out)
     return 0
 
@@ -110,7 +116,7 @@ def fits(cfg, counts, seq_len: int, n: int, tiled, args) -> float | None:
         cfg, seq_len=seq_len, micro_batch=args.micro_batch, world_size=args.world_size, zero_stage=2,
         trainable_params=counts.trainable, total_params=counts.total, activation_checkpointing=True,
         lm_head_trainable=counts.head_trainable, sequence_parallel=n, tiled_mlp=tiled, buffers=RECIPE_BUFFERS,
-        largest_trainable=counts.largest_trainable,
+        largest_trainable=counts.largest_trainable, attention=args.attention,
     )
     return est.total_gpu_gb if est.total_gpu_gb <= args.gpu_gb * 0.9 else None
 
@@ -141,14 +147,15 @@ def longest_context(args) -> int:
                      "longest_context_tiled_mlp": tile, "gib_per_gpu_tiled_mlp": round(tile_gb, 2)})
     print(f"{args.preset} pe={args.pe} on {args.world_size} GPUs of {args.gpu_gb:.0f} GB (fits: estimate <= 90%): "
           f"ZeRO-2, train tape+embed+norm, activation checkpointing, micro batch {args.micro_batch}, fused loss; "
-          f"tiled MLP {tiled}")
+          f"tiled MLP {tiled}; attention {args.attention}")
     print("| sequence parallel | longest context | GiB per GPU | with tiled MLP | GiB per GPU |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['sequence_parallel']} | {r['longest_context']} | {r['gib_per_gpu']} | "
               f"{r['longest_context_tiled_mlp']} | {r['gib_per_gpu_tiled_mlp']} |")
     result = {"preset": args.preset, "pe": args.pe, "world_size": args.world_size, "gpu_gb": args.gpu_gb,
               "zero_stage": 2, "trainable": "tape+embed+norm", "activation_checkpointing": True,
-              "micro_batch": args.micro_batch, "tiled_mlp": tiled, "fit_fraction": 0.9, "rows": rows}
+              "micro_batch": args.micro_batch, "tiled_mlp": tiled, "attention": args.attention, "fit_fraction": 0.9,
+              "rows": rows}
     print(json.dumps(result))
     if args.out:
         with open(args.out, "w") as f:

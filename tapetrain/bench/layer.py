@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions, synchronize
 from tapetrain.bench.report import bar_chart, format_table, title_suffix
 from tapetrain.bench.steps import build_model, random_batches
+
+if TYPE_CHECKING:
+    from tapetrain.model.config import ModelConfig
 
 
 @dataclass
@@ -56,9 +59,22 @@ def _forward_memory(s: LayerSettings, n_layers: int, device: torch.device) -> di
             "cfg": cfg}  # fmt: skip
 
 
+def _attention_that_ran(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seq: int) -> tuple[str, str]:
+    """(backend, path): the backend attention.choose_backend gives the measured layer (layer 1 of 3, which carries
+    TAPE's E) on this device, and the path memory.layer_activation_bytes models for it."""
+    from tapetrain.model.attention import choose_backend
+    from tapetrain.train.memory import attention_path
+
+    carries_e = cfg.updates_tape_state(1) and cfg.tape_attn_update
+    has_bias = cfg.pe in ("alibi", "fire")
+    backend = choose_backend(cfg.attn_backend, device=device, dtype=dtype, has_bias=has_bias, has_e=carries_e)
+    return backend, attention_path(backend, device.type, seq, carries_e)
+
+
 def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
     """Per-layer activation bytes = (model with 3 layers) − (model with 2 layers): everything else (embedding,
-    logits, the last layer, which updates no state) cancels. Compared with memory.layer_activation_bytes."""
+    logits, the first layer, whose TAPE state needs no gradient, and the last, which updates no state) cancels.
+    Compared with memory.layer_activation_bytes for the attention path that ran."""
     from tapetrain.model.tiling import tile_count
     from tapetrain.train.memory import layer_activation_bytes, tiled_mlp_peak_bytes
 
@@ -69,7 +85,9 @@ def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
     two.pop("cfg")
     value_bytes = DTYPES[s.dtype].itemsize
     chunks = tile_count(cfg.tiled_mlp, s.seq_len, cfg.d_model)  # model.tiled_mlp as the model resolves it
-    estimate = layer_activation_bytes(cfg, s.batch, s.seq_len, bytes_per_value=value_bytes, tiled_mlp=chunks)
+    backend, path = _attention_that_ran(cfg, device, DTYPES[s.dtype], s.seq_len)
+    estimate = layer_activation_bytes(cfg, s.batch, s.seq_len, value_bytes, cfg.updates_tape_state(1), chunks,
+                                      attention=path)  # fmt: skip
 
     def diff(key: str) -> int | None:
         return None if three[key] is None else three[key] - two[key]
@@ -84,6 +102,8 @@ def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
         "batch": s.batch,
         "dtype": s.dtype,
         "backend": s.backend,
+        "attention_backend": backend,
+        "attention_path": path,
         "tiled_mlp_chunks": chunks,
         "tiled_mlp_recompute_peak_gb": tiled_mlp_peak_bytes(cfg, s.batch, s.seq_len, chunks, value_bytes) / GIB,
         "versions": software_versions(),
@@ -104,7 +124,8 @@ def layer_report(result: dict) -> str:
             f"layer: {result['preset']} ({result['pe']}), {result['batch']} × {result['seq_len']} tokens, "
             f"{result['dtype']}, {result['device']}; one decoder layer = (3 layers) − (2 layers)",
             format_table(["measured", "GiB per layer", "measured / model"], rows),
-            f"memory model (tapetrain.train.memory.layer_activation_bytes): {result['per_layer_estimate_gb']:.3f} GiB",
+            f"memory model (tapetrain.train.memory.layer_activation_bytes, attention {result.get('attention_path')}):"
+            f" {result['per_layer_estimate_gb']:.3f} GiB",
         ]
     )
 

@@ -24,7 +24,11 @@ sequence parallelism N (each GPU holds s/N tokens of every sequence; ZeRO still 
                                           b·H·(s/N)·D · 2 per layer, the same size again for an MHA model)
     recompute     one layer's saved tensors while it is recomputed (see `layer_activation_bytes`), and in its
                   backward the gradients of its largest intermediates (`recompute_backward_bytes`)
-    no checkpointing: L · one layer's saved tensors
+    no checkpointing: every layer's saved tensors (TAPE's first keeps less: its E^(0) needs no gradient)
+    per layer     exact against saved-tensor hooks, and per attention path (`attention_path`): cuDNN's SDPA
+                  (auto for TAPE on Hopper+, what the estimate assumes) keeps [V ‖ E], [A·V ‖ A·E] and o_proj's
+                  copy, 2·H·D values per token (MHA) more than the Triton kernel (auto before Hopper); 16-bit RMSNorms
+                  keep their input in fp32
     tiled MLP     (model.tiled_mlp) the MLP intermediates are not kept (`mlp_intermediate_values`); one chunk's
                   recompute and its gradients are held in backward instead (`tiled_mlp_peak_bytes`)
     exchange      N > 1: one layer's all-to-all send and receive buffers of q, k and the values ([V ‖ E] for
@@ -34,7 +38,7 @@ sequence parallelism N (each GPU holds s/N tokens of every sequence; ZeRO still 
                   kept for backward, one chunk's logits and products n·V·(4 + 2·2), dW accumulated in fp32
                   V·C·4 if the head is trained (`loss_bytes`)
                   plain: b·s·V · (2 + 4 + 4)  16-bit logits, fp32 upcast for the loss and its gradient
-Flash/fused attention never stores the s×s matrix; the eager path would add b·H·s²·2 per layer.
+Fused attention never stores the s×s matrix; the math and eager paths add b·H·s²·4 per layer (fp32 softmax).
 """
 
 from __future__ import annotations
@@ -99,38 +103,106 @@ def mlp_intermediate_values(cfg: ModelConfig, updates_state: bool = True) -> int
     return values
 
 
+ATTENTION_PATHS = ("sdpa", "sdpa_split", "math", "triton", "flash")
+
+
+def attention_path(backend: str, device: str = "cuda", keys: int = 0, carries_e: bool = True) -> str:
+    """What `layer_activation_bytes` models for the attention backend that runs (attention.choose_backend's
+    answer, or a model.attn_backend setting) on `device` ("cuda" or "cpu"), `keys` keys per sequence.
+
+    "auto" on a GPU: TAPE's layers that carry E take cuDNN's SDPA on Hopper and newer, the Triton kernel before it;
+    "sdpa" is the larger of the two (2·H·D more values per token with multi-head attention), so the estimate keeps
+    it. CPU SDPA runs TAPE's [V ‖ E] (2D-wide values) through its math path, or from CPU_TWO_CALLS_FROM_KEYS keys on
+    as two calls of its fused kernel (sdpa_value_calls); eager materialises the softmax as the math path does."""
+    from tapetrain.model.attention import CPU_TWO_CALLS_FROM_KEYS
+
+    if backend in ("triton", "flash"):
+        return backend
+    if backend == "eager":
+        return "math"
+    if device == "cpu" and carries_e:
+        return "sdpa_split" if keys >= CPU_TWO_CALLS_FROM_KEYS else "math"
+    return "sdpa"  # and "auto" (GPU), "flex" (document masks; a fused kernel keeping q, k, values, output, lse)
+
+
+def _norm_bytes(c: int, p: int) -> int:
+    """Bytes per token both RMSNorms keep: each its input upcast to fp32 (x.float(): a 16-bit model's copy, an
+    fp32 model's input itself), the normalised x cast back and weighted (the projections' input), and rstd (fp32)."""
+    return 2 * (4 * c + 2 * p * c + 4)
+
+
+def _attention_bytes(cfg: ModelConfig, p: int, path: str, carries_e: bool, first_layer: bool, keys: int,
+                     sequence_parallel: int) -> int:
+    """Bytes per local token attention keeps for backward (see `layer_activation_bytes`)."""
+    h, hk, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+    tape, rotary = cfg.pe == "tape", cfg.pe in ("rope", "randpe", "xpos")
+    # TAPE rotates by E, which needs a gradient after the first updating layer: the rotations keep E (B, T, H, D)
+    # and q, k before rotation (k expanded to H heads); layer 0's E^(0) is one (B, T, D) table, broadcast over heads
+    e_grad = tape and not first_layer and (cfg.tape_attn_update or cfg.tape_mlp_update)
+    values = 3 * h * d if e_grad else d if tape or rotary else 0  # (rope: its cos, sin (B, 1, T, D/2))
+    width = 2 * d if carries_e else d  # value width per head: [V ‖ E] or V
+    lse = 4 * h  # a fused kernel's logsumexp (B, H, T) fp32
+    if path in ("triton", "flash") and not (carries_e and sequence_parallel > 1):
+        # V as given (Hkv heads; E is the state, kept above); A·V and A·E as two token-major tensors, which o_proj
+        # and W_A read in place. (With a sequence shard and E, V and E are views of the exchanged [V ‖ E], and the
+        # output comes back through the exchange, as SDPA's below.)
+        values += h * d + (h if tape else hk) * d + hk * d + h * width  # q̃, k̃, V, A·V (‖ A·E)
+        fp32 = lse * (2 if path == "flash" and carries_e else 1)  # flash-attn: V and E in two calls
+        attended = 0  # W_A 'gain' keeps A·E: the kernel's output
+    elif path == "math":  # fp32 (math upcasts 16-bit): q, k scaled, values, softmax weights (H/N heads, T keys)
+        fp32 = 4 * (2 * h * d + h * width + h * keys)
+        values += h * d  # o_proj's input: a copy of the (unsaved) heads-first output
+        attended = h * width  # W_A 'gain' keeps A·E, a slice of that output
+    else:  # sdpa_attention expands grouped k, v to the query heads; q̃, k̃ (B, H, T, D)
+        values += 2 * h * d
+        if path == "sdpa_split" and carries_e:  # V, then E (the state, kept above) in a second call
+            values += h * d + 2 * h * d  # V; A·V, A·E, token-major as q̃
+            fp32 = 2 * lse
+        else:  # values [V ‖ E] (V expanded) and the output [A·V ‖ A·E], or V and A·V
+            values += 2 * h * width
+            fp32 = lse
+        # the output's layout follows q̃'s: token-major for TAPE, heads-first after rotate_qk's cat; o_proj copies
+        # a heads-first one (and A·V, a slice of the 2D-wide output). GPU flash / memory-efficient SDPA write
+        # token-major whatever q̃'s layout, so rope layers there keep one copy fewer than counted.
+        values += h * d if (carries_e and path == "sdpa") or rotary else 0
+        attended = 0
+    if carries_e:
+        values += h * d if cfg.tape_head_mix == "full" else attended  # W_A's matmul copies A·E (B·T·D, M)
+    return values * p + fp32
+
+
 def layer_activation_bytes(
     cfg: ModelConfig, batch: int, seq: int, bytes_per_value: int = 2, updates_state: bool = True,
-    tiled_mlp: int = 1, sequence_parallel: int = 1, attention_matrix: bool = False,
+    tiled_mlp: int = 1, sequence_parallel: int = 1, attention_matrix: bool = False, attention: str = "sdpa",
+    first_layer: bool = False,
 ) -> int:
-    """Tensors one decoder layer saves for backward with a fused attention kernel (values × bytes), on one rank.
+    """Bytes one decoder layer saves for backward (values × bytes, plus the fp32 pieces), on one rank.
 
     `seq`: the whole sequence; each of the `sequence_parallel` ranks holds seq/N tokens of it, and attention saves
     the exchanged q, k and values (whole sequences of H/N heads: as many values as T/N tokens of H heads), which
     replace the local ones, so per token nothing changes (the all-to-all's buffers are transient: `exchange_bytes`).
     `updates_state`: TAPE layers other than the last also update E (the last one's E would be dropped).
     `tiled_mlp` > 1: the MLP intermediates (`mlp_intermediate_values`) are not kept (see `tiled_mlp_peak_bytes`).
-    `attention_matrix`: the math path's softmax weights, B·(H/N)·T² per rank (H·T per local token), kept instead
-    of the kernel's output (CPU SDPA takes that path for TAPE's 2D-wide values; fused kernels keep none).
-    The composition is the one measured with saved-tensor hooks (tests/unit/test_memory_model.py)."""
-    c, h, hk, d = cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.head_dim
-    tokens = batch * (seq // sequence_parallel)
+    `attention`: the path attention takes (`attention_path`; ATTENTION_PATHS): "sdpa" a fused SDPA kernel (cuDNN,
+    flash or memory-efficient on GPU) on values [V ‖ E]; "triton" the TAPE kernel, "flash" flash-attn; "math" CPU
+    SDPA's math path (the softmax weights, B·(H/N)·T² per rank, instead of the output); "sdpa_split" CPU SDPA's two
+    fused calls (V, E). `attention_matrix=True` is attention="math" (kept for callers).
+    `first_layer`: TAPE's layer 0, whose E^(0) needs no gradient (its rotations keep neither q, k nor E).
+    Exact against saved-tensor hooks on CPU (tests/unit/test_memory_model.py: SDPA, math, and the Triton kernel in
+    Triton's interpreter, fp32 and bf16) and on GPUs, bf16 (docs/benchmarks/gpu: an H100 at 8192 tokens, Triton;
+    an H200 at 32768, cuDNN SDPA). Not measured: "flash", and "triton" with a sequence shard."""
+    path = "math" if attention_matrix else attention
+    if path not in ATTENTION_PATHS:
+        raise ValueError(f"attention={path!r}: choose one of {', '.join(ATTENTION_PATHS)}")
+    p, tokens = bytes_per_value, batch * (seq // sequence_parallel)
     carries_e = cfg.pe == "tape" and updates_state and cfg.tape_attn_update
-    out = 2 * h * d if carries_e else h * d  # the kernel's output, [A·V ‖ A·E] for TAPE
-    values = 6 * c  # each RMSNorm keeps its input, the normalised x and its weighted output (the projections' input)
-    values += h * d + h * d  # q (q̃ for TAPE); o_proj's input (the heads merged: a copy)
-    values += h * seq if attention_matrix else out
-    if cfg.pe == "tape":
-        values += 2 * h * d  # E, kept by the rotations of q and k, and k̃ (keys expanded to query heads)
-        values += 3 * h * d if carries_e else h * d  # values [V ‖ E] (V expanded) and A·E's copy for W_A; or V
-        if updates_state and cfg.tape_mlp_update:
-            values += h * d  # E' for W_up (the tile's input when tiled)
-    else:
-        values += 2 * hk * d  # k, v (GQA-native kernels keep Hkv heads)
-        values += d if cfg.pe in ("rope", "randpe", "xpos") else 0  # cos and sin at the positions
+    per_token = _norm_bytes(cfg.d_model, p) + _attention_bytes(cfg, p, path, carries_e, first_layer, seq,
+                                                               sequence_parallel)
+    if cfg.pe == "tape" and updates_state and cfg.tape_mlp_update:
+        per_token += cfg.n_heads * cfg.head_dim * p  # E' for W_up (the tile's input when tiled)
     if tiled_mlp <= 1:
-        values += mlp_intermediate_values(cfg, updates_state)
-    return tokens * values * bytes_per_value
+        per_token += mlp_intermediate_values(cfg, updates_state) * p
+    return tokens * per_token
 
 
 def exchanged_widths(cfg: ModelConfig, n: int, updates_state: bool = True) -> tuple[int, int, int]:
@@ -227,9 +299,11 @@ def estimate_memory(
     buffers: ZeroBuffers = ZeroBuffers(),
     largest_trainable: int = 0,
     context_gib: float = CUDA_CONTEXT_GIB,
+    attention: str = "sdpa",
 ) -> MemoryEstimate:
     """Per-GPU bytes. ZeRO partitions over all `world_size` ranks (sequence parallel ones too); each rank holds
-    seq_len / sequence_parallel tokens of every sequence, so activations and the loss scale with T/N."""
+    seq_len / sequence_parallel tokens of every sequence, so activations and the loss scale with T/N. `attention`:
+    the path attention takes on the GPU (`attention_path` of model.attn_backend; "sdpa" for auto)."""
     n = world_size
     p = PRECISION_BYTES[precision]
     weights = p * total_params / (n if zero_stage == 3 else 1)
@@ -257,7 +331,7 @@ def estimate_memory(
     overlap = buffers.overlap_comm if buffers.overlap_comm is not None else zero_stage == 3
     late_gradient = largest_trainable * p if zero_stage >= 2 or zero_stage == 1 and overlap else 0
     activations = activation_bytes(cfg, micro_batch, seq_len, activation_checkpointing, sequence_parallel, tiled_mlp,
-                                   bytes_per_value=p)
+                                   bytes_per_value=p, attention=attention)
     local = seq_len // sequence_parallel
     logits = loss_bytes(cfg, micro_batch, local, p, fused=fused_loss, head_trainable=lm_head_trainable)
     context = context_gib * GiB
@@ -315,27 +389,30 @@ def estimate_run_memory(run_cfg, model_cfg: ModelConfig, world_size: int, *, con
                             contiguous_gradients=d.contiguous_gradients,
                             stage3_prefetch_bucket_size=d.stage3_prefetch_bucket_size,
                             stage3_max_live_parameters=d.stage3_max_live_parameters),
-        context_gib=context_gib,
+        context_gib=context_gib, attention=attention_path(model_cfg.attn_backend),
     )  # fmt: skip
     return est, counts
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool, sequence_parallel: int = 1,
-                     tiled_mlp: int | str = 0, bytes_per_value: int = 2) -> int:
+                     tiled_mlp: int | str = 0, bytes_per_value: int = 2, attention: str = "sdpa") -> int:
     """Peak activation bytes per rank: what the layers keep for backward, plus one layer's transients (its
     recompute and that recompute's backward under checkpointing, one MLP chunk's recompute when tiled, the
-    all-to-all buffers)."""
+    all-to-all buffers). `attention`: the path attention takes (`attention_path`)."""
     n, p = sequence_parallel, bytes_per_value
     local = seq // n
     chunks = tile_count(tiled_mlp, local, cfg.d_model)
-    layer = layer_activation_bytes(cfg, batch, seq, p, tiled_mlp=chunks, sequence_parallel=n)
+    layers = [
+        layer_activation_bytes(cfg, batch, seq, p, cfg.updates_tape_state(i), chunks, n, attention=attention,
+                               first_layer=i == 0)
+        for i in range(cfg.n_layers)
+    ]
     transient = tiled_mlp_peak_bytes(cfg, batch, local, chunks, p) + exchange_bytes(cfg, batch, seq, n, p)
     if checkpointing:
         state = cfg.n_heads * cfg.head_dim if cfg.pe == "tape" else 0
         kept = cfg.n_layers * batch * local * (cfg.d_model + state) * p
-        return kept + layer + recompute_backward_bytes(cfg, batch, local, p) + transient
-    last = layer_activation_bytes(cfg, batch, seq, p, updates_state=False, tiled_mlp=chunks, sequence_parallel=n)
-    return (cfg.n_layers - 1) * layer + last + transient
+        return kept + max(layers) + recompute_backward_bytes(cfg, batch, local, p) + transient
+    return sum(layers) + transient
 
 
 def measure_saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor) -> int:
@@ -362,7 +439,8 @@ def measure_layer_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor, l
     """Exact bytes autograd saves for backward in one decoder layer's training forward, on this rank: input_ids
     (B, T), or with a sequence shard this rank's slice (B, T/N) of whole sequences of T·N tokens, as
     `Transformer._forward_sharded` runs them. Storage-deduplicated, parameters excluded (`layer_activation_bytes`
-    models it)."""
+    models it). The layers before `layer` run first, unmeasured, so that its input and TAPE's E are what training
+    gives it (E then needs a gradient; layer 0's E^(0) does not)."""
     model.train()
     b, t = input_ids.shape
     n = shard.size if shard is not None else 1
@@ -371,6 +449,8 @@ def measure_layer_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor, l
     x = model.embed(input_ids).detach().requires_grad_()
     ctx = model.pe.context(mine, whole, x.dtype, False, shard)
     state = ctx.tape_init
+    for earlier in model.layers[:layer]:
+        x, state = earlier(x, ctx, state, model.pe)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen: dict[int, int] = {}
 

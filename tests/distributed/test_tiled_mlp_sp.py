@@ -74,6 +74,7 @@ def test_layer_activation_model_matches_saved_bytes_at_sp1_and_sp2(tmp_path):
             for n, measured in ((1, one), (2, two[pe][str(tiled)][0])):
                 # CPU SDPA takes its math path for TAPE's [V ‖ E] values and keeps the softmax weights
                 predicted = layer_activation_bytes(
-                    cfg, BATCH, SEQ, 4, tiled_mlp=tiled, sequence_parallel=n, attention_matrix=pe == "tape"
+                    cfg, BATCH, SEQ, 4, tiled_mlp=tiled, sequence_parallel=n, attention_matrix=pe == "tape",
+                    first_layer=True,  # the worker measures layer 0, whose E^(0) needs no gradient
                 )
-                assert abs(predicted / measured - 1) <= 0.10, (pe, tiled, n, predicted, measured)
+                assert abs(predicted / measured - 1) <= 0.01, (pe, tiled, n, predicted, measured)
