@@ -35,7 +35,8 @@ BENCH="$PY $REPO/tools/benchmark.py"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
-# name | time limit (s) | command. Budget: about 9 minutes on one H100 in all.
+# name | time limit (s) | command. The limits add up to about 44 minutes, more than a short device session: pick
+# stages with --only (the H200 session of 2026-11-26 ran the gpu tests, layer-32k, layer-32k-tiled, docmask-155m).
 STAGES=(
   "install|120|install_wheels"
   "env|60|describe_machine"
@@ -50,6 +51,9 @@ STAGES=(
   "profile-1b|240|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
   "engine-155m|150|$BENCH engine --preset paper-155m --seq-len 1024 --batch 16 --zero-stage 2 --steps 10 --warmup 3 --out $OUT/engine-paper-155m.json"
   "layer-memory|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
+  "layer-32k|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=0 --out $OUT/layer-llama2-7b-32k-tiled-0.json"
+  "layer-32k-tiled|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=auto --out $OUT/layer-llama2-7b-32k-tiled-auto.json"
+  "docmask-155m|120|$BENCH docmask --preset paper-155m --seq-len 8192 --docs 8 --pairs 30 --warmup 3 --out $OUT/docmask-paper-155m-8192.json"
 )
 
 install_wheels() {
