@@ -288,9 +288,10 @@ def end_rank_process(code: int = 0) -> None:
     the process group, flush, then os._exit.
 
     Even after the group is destroyed, a rank can abort at exit ("terminate called without an active exception",
-    SIGABRT, exit -6) once its peer has gone: gloo's threads meet C++ static destruction unjoined. It was
-    intermittent (1 in ~1000 launches in CI) and turns a finished job into a failed one. Only for `__main__` of a
-    script whose outputs are written and closed: atexit handlers do not run."""
+    SIGABRT, exit -6) once its peer has gone: gloo's threads meet C++ static destruction unjoined. It struck one
+    or two of the test suite's multi-rank launches in several full runs, a different script each time, and turns a
+    finished job into a failed one. Only for `__main__` of a script whose outputs are written and closed: atexit
+    handlers do not run."""
     try:
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             if code == 0:
