@@ -61,6 +61,27 @@ def _common(p: argparse.ArgumentParser, device: bool = True) -> None:
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bars")
 
 
+def _rounds_args(p: argparse.ArgumentParser, pairs_help: str) -> None:
+    """--pairs and --warmup of the modes that alternate their variants round by round (sp, docmask)."""
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=bench.MIN_HEADLINE_PAIRS,
+        help=f"{pairs_help} (default and minimum {bench.MIN_HEADLINE_PAIRS})",
+    )
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+
+
+def _alternated_args(p: argparse.ArgumentParser, set_help: str) -> None:
+    """--set and --allow-few-pairs of the same modes."""
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=set_help)
+    p.add_argument(
+        "--allow-few-pairs",
+        action="store_true",
+        help=f"allow fewer than {bench.MIN_HEADLINE_PAIRS} pairs (tests); the JSON is then no headline",
+    )
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="model preset: tiny, paper-155m, llama2-7b")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's max_seq_len, ≤128 on CPU)")
@@ -120,28 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="tiny", help="model preset: tiny, paper-155m, ...")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
-    p.add_argument(
-        "--pairs",
-        type=int,
-        default=bench.MIN_HEADLINE_PAIRS,
-        help=f"timed rounds, each one pair per PE (default and minimum {bench.MIN_HEADLINE_PAIRS})",
-    )
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    _rounds_args(p, "timed rounds, each one pair per PE")
     p.add_argument("--pe-list", type=_names, default=["tape", "rope"], help="positional encodings (default tape,rope)")
     p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a model config key, e.g. --set n_layers=4 (repeatable)",
-    )
-    p.add_argument(
-        "--allow-few-pairs",
-        action="store_true",
-        help=f"allow fewer than {bench.MIN_HEADLINE_PAIRS} pairs (tests); the JSON is then no headline",
-    )
+    _alternated_args(p, "override a model config key, e.g. --set n_layers=4 (repeatable)")
 
     p = sub.add_parser("docmask", help="training step with vs without the document mask, alternated in one process")
     _common(p)
@@ -149,28 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--docs", type=int, default=8, help="documents per row, random lengths (default 8)")
-    p.add_argument(
-        "--pairs",
-        type=int,
-        default=bench.MIN_HEADLINE_PAIRS,
-        help=f"timed rounds of one step per variant (default and minimum {bench.MIN_HEADLINE_PAIRS})",
-    )
-    p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    _rounds_args(p, "timed rounds of one step per variant")
     p.add_argument("--pe", default="tape", help="positional encoding (default tape)")
     p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa, ...")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a model config key (repeatable)",
-    )
-    p.add_argument(
-        "--allow-few-pairs",
-        action="store_true",
-        help=f"allow fewer than {bench.MIN_HEADLINE_PAIRS} pairs (tests); the JSON is then no headline",
-    )
+    _alternated_args(p, "override a model config key (repeatable)")
 
     p = sub.add_parser("data", help="prepare throughput (1 and 2 workers) and batch reader throughput")
     p.add_argument("--out", type=Path, help="write the results as JSON here (atomically)")
