@@ -42,7 +42,7 @@ clean-demo:
 GPU_PYTHON ?= 3.12
 GPU_WHEELS_DIR ?= gpu-wheels
 GPU_WHEEL_SPECS ?= hjson==3.1.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 \
-	typing-inspection==0.4.5 typing-extensions==4.16.0 zstandard==0.25.0 liger-kernel==0.8.5
+	typing-inspection==0.4.5 typing-extensions==4.16.0 zstandard==0.25.0 liger-kernel==0.8.5 xxhash==4.1.0
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 gpu-wheels: setup

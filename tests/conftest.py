@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 
@@ -58,7 +59,24 @@ def _no_rank_variables_left_behind():
     assert not changed, f"this test left rank variables in os.environ: {changed}"
 
 
+@pytest.fixture
+def verifies(request):
+    """`verifies(kind=..., backend=..., dtypes=[...], e=..., docs=..., gqa=...)` inside a test: the GPU path this
+    parametrization verifies (the `verifies` mark, for claims that depend on the parameters)."""
+
+    def claim(**kwargs) -> None:
+        request.node.user_properties.append(("verifies", json.dumps(kwargs, sort_keys=True)))
+
+    return claim
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        # What a gpu-marked test verifies reaches the junit XML as a property; the GPU campaign turns it into the
+        # verified-paths record that `auto` consults (tapetrain/model/verified_paths.py, tools/verified_paths.py).
+        for mark in item.iter_markers("verifies"):
+            if mark.kwargs:  # a bare mark only selects the test for the campaign; its claims come from the fixture
+                item.user_properties.append(("verifies", json.dumps(mark.kwargs, sort_keys=True)))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -1,59 +1,72 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine (torch + triton present, no internet): install the wheels that
-# `make gpu-wheels` put into gpu-wheels/, run the GPU tests and the benchmarks, and leave logs, JSON and PNG in
-# OUT_DIR. Every stage runs even when an earlier one fails; the summary (OUT_DIR/summary.tsv) says which failed.
+# `make gpu-wheels` put into gpu-wheels/, then run stages by priority within a time budget: the GPU tests (those
+# that failed in the last campaign first), the verified-paths record, then the decisive benchmarks. A stage runs
+# only if its estimate fits what is left of the budget (and never past it); the rest are listed as skipped.
+# Leaves logs, JSON, PNG, summary.tsv, summary.md and verified-paths.json in OUT_DIR.
 #
-#   tools/gpu_check.sh OUT_DIR [--dry-run] [--only STAGE[,STAGE...]] [--skip STAGE[,STAGE...]]
+#   tools/gpu_check.sh OUT_DIR [--budget SECONDS] [--dry-run] [--only STAGE[,...]] [--skip STAGE[,...]]
 #
-# Environment: PYTHON (default python3), TAPETRAIN_GPU_WHEELS (default ./gpu-wheels),
-# TAPETRAIN_GPU_SITE (where the wheels are installed, default /tmp/tapetrain-gpu-site).
+# --budget: seconds for all stages together (default 480, one short GPU window). Environment: PYTHON (default
+# python3), TAPETRAIN_GPU_WHEELS (default ./gpu-wheels), TAPETRAIN_GPU_SITE (default /tmp/tapetrain-gpu-site).
 set -uo pipefail
 
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 [[ $# -ge 1 && $1 != -* ]] || usage
 OUT=$1
 shift
 DRY=0
 ONLY=""
 SKIP=""
+BUDGET=480
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dry-run) DRY=1 ;;
     --only) ONLY=${2:?--only needs a list}; shift ;;
     --skip) SKIP=${2:?--skip needs a list}; shift ;;
+    --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
     -h|--help) usage 0 ;;
     *) echo "gpu_check: unknown argument $1" >&2; usage ;;
   esac
   shift
 done
+[[ $BUDGET =~ ^[0-9]+$ ]] || { echo "gpu_check: --budget takes whole seconds, not '$BUDGET'" >&2; exit 2; }
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-python3}
 WHEELS=${TAPETRAIN_GPU_WHEELS:-$REPO/gpu-wheels}
 SITE=${TAPETRAIN_GPU_SITE:-/tmp/tapetrain-gpu-site}
 BENCH="$PY $REPO/tools/benchmark.py"
+PYTEST="$PY -m pytest -q -p no:cacheprovider --timeout=240 -rfEs"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
-# name | time limit (s) | command. The limits add up to about 44 minutes, more than a short device session: pick
-# stages with --only (the H200 session of 2026-11-26 ran the gpu tests, layer-32k, layer-32k-tiled, docmask-155m).
+# Tests that failed in the newest committed campaign (docs/benchmarks/gpu/h200-2026-11-26): they run first.
+FIRST="$REPO/tests/unit/test_document_mask_triton.py::test_packed_documents_equal_separate_runs_triton"
+FIRST="$FIRST $REPO/tests/unit/test_fused_loss.py::test_fused_backends_match_plain_on_cuda"
+DESELECT="--deselect tests/unit/test_document_mask_triton.py::test_packed_documents_equal_separate_runs_triton"
+DESELECT="$DESELECT --deselect tests/unit/test_fused_loss.py::test_fused_backends_match_plain_on_cuda"
+
+# name | estimate (s, what the stage took on an H100/H200) | limit (s) | command. In priority order: the budget
+# goes to the first stages; a stage whose estimate does not fit what is left is skipped (listed in summary.md).
 STAGES=(
-  "install|120|install_wheels"
-  "env|60|describe_machine"
-  "gpu-tests|330|$PY -m pytest -m gpu -q -p no:cacheprovider --timeout=300 --junitxml=$OUT/gpu-tests.xml $REPO/tests"
-  "kernel-tune|150|$PY $REPO/tools/tune_attention.py --budget-s ${TAPETRAIN_TUNE_BUDGET_S:-30} --head-dims ${TAPETRAIN_TUNE_DIMS:-64,128} --out $OUT/kernel-tune.json"
-  "attention-d64|120|$BENCH attention --head-dim 64 --heads 16 --batch 4 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d64.json"
-  "attention-d128|120|$BENCH attention --head-dim 128 --heads 16 --batch 2 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d128.json"
-  "train-155m|150|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 20 --warmup 5 --out $OUT/train-paper-155m.json"
-  "train-155m-compile|240|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 20 --warmup 5 --set compile=true --out $OUT/train-paper-155m-compile.json"
-  "train-1b|200|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 10 --warmup 3 --out $OUT/train-llama-1b.json"
-  "train-1b-compile|300|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 10 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
-  "profile-1b|240|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
-  "engine-155m|150|$BENCH engine --preset paper-155m --seq-len 1024 --batch 16 --zero-stage 2 --steps 10 --warmup 3 --out $OUT/engine-paper-155m.json"
-  "layer-memory|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
-  "layer-32k|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=0 --out $OUT/layer-llama2-7b-32k-tiled-0.json"
-  "layer-32k-tiled|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=auto --out $OUT/layer-llama2-7b-32k-tiled-auto.json"
-  "docmask-155m|120|$BENCH docmask --preset paper-155m --seq-len 8192 --docs 8 --pairs 30 --warmup 3 --out $OUT/docmask-paper-155m-8192.json"
+  "install|15|90|install_wheels"
+  "env|10|60|describe_machine"
+  "gpu-tests-first|60|150|$PYTEST --junitxml=$OUT/gpu-tests-first.xml $FIRST"
+  "gpu-tests|150|300|cd $REPO && $PYTEST -m 'gpu or verifies' $DESELECT --junitxml=$OUT/gpu-tests.xml tests"
+  "verified-paths|10|60|$PY $REPO/tools/verified_paths.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml --out $OUT/verified-paths.json"
+  "train-1b-compile|150|300|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
+  "layer-memory|45|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
+  "profile-1b|120|240|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
+  "train-155m-compile|100|240|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 12 --warmup 3 --set compile=true --out $OUT/train-paper-155m-compile.json"
+  "docmask-155m|90|150|$BENCH docmask --preset paper-155m --seq-len 8192 --docs 8 --pairs 30 --warmup 10 --out $OUT/docmask-paper-155m-8192.json"
+  "kernel-tune|150|150|$PY $REPO/tools/tune_attention.py --budget-s ${TAPETRAIN_TUNE_BUDGET_S:-30} --head-dims ${TAPETRAIN_TUNE_DIMS:-64,128} --out $OUT/kernel-tune.json"
+  "attention-d64|90|120|$BENCH attention --head-dim 64 --heads 16 --batch 4 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d64.json"
+  "attention-d128|90|120|$BENCH attention --head-dim 128 --heads 16 --batch 2 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d128.json"
+  "train-1b|120|200|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 10 --warmup 3 --out $OUT/train-llama-1b.json"
+  "engine-155m|100|150|$BENCH engine --preset paper-155m --seq-len 1024 --batch 16 --zero-stage 2 --steps 10 --warmup 3 --out $OUT/engine-paper-155m.json"
+  "layer-32k|60|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=0 --out $OUT/layer-llama2-7b-32k-tiled-0.json"
+  "layer-32k-tiled|60|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=auto --out $OUT/layer-llama2-7b-32k-tiled-auto.json"
 )
 
 install_wheels() {
@@ -88,11 +101,18 @@ wanted() {
 }
 
 if [[ $DRY -eq 1 ]]; then
-  echo "gpu_check dry run: would write into $OUT"
+  echo "gpu_check dry run: would write into $OUT (budget ${BUDGET}s)"
   echo "  wheels from $WHEELS into $SITE (PYTHONPATH=$SITE:$REPO)"
+  planned=0
   for entry in "${STAGES[@]}"; do
-    IFS='|' read -r name limit cmd <<<"$entry"
-    wanted "$name" && echo "  [$name] (limit ${limit}s) $cmd"
+    IFS='|' read -r name estimate limit cmd <<<"$entry"
+    wanted "$name" || continue
+    if (( planned + estimate <= BUDGET )); then
+      planned=$((planned + estimate))
+      echo "  [$name] (estimate ${estimate}s, limit ${limit}s) $cmd"
+    else
+      echo "  [$name] skipped: its estimate ${estimate}s does not fit the $((BUDGET - planned))s left of the budget"
+    fi
   done
   exit 0
 fi
@@ -105,11 +125,19 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tapetrain-triton-cache}
 SUMMARY=$OUT/summary.tsv
 printf 'stage\trc\tseconds\tlog\n' >"$SUMMARY"
 failed=0
+t0=$(date +%s)
 for entry in "${STAGES[@]}"; do
-  IFS='|' read -r name limit cmd <<<"$entry"
+  IFS='|' read -r name estimate limit cmd <<<"$entry"
   wanted "$name" || continue
+  left=$((BUDGET - ($(date +%s) - t0)))
+  if (( estimate > left )); then
+    printf '%s\tskipped\t0\t%s\n' "$name" "estimate ${estimate}s > ${left}s left" >>"$SUMMARY"
+    echo "-- $name: skipped (estimate ${estimate}s, ${left}s of the budget left)"
+    continue
+  fi
+  (( limit > left )) && limit=$left
   log=$OUT/$name.log
-  echo "== $name (limit ${limit}s)"
+  echo "== $name (limit ${limit}s, ${left}s of the budget left)"
   start=$(date +%s.%N)
   if declare -F "${cmd%% *}" >/dev/null; then
     ( $cmd ) >"$log" 2>&1 &
@@ -120,15 +148,16 @@ for entry in "${STAGES[@]}"; do
   rc=$?
   secs=$(awk -v s="$start" -v e="$(date +%s.%N)" 'BEGIN { printf "%.1f", e - s }')
   printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$secs" "$(basename "$log")" >>"$SUMMARY"
-  tail -n 25 "$log"
+  tail -n 15 "$log"
   echo "-- $name: rc=$rc in ${secs}s"
   [[ $rc -eq 0 ]] || failed=$((failed + 1))
 done
 
+"$PY" "$REPO/tools/gpu_summary.py" "$OUT" >"$OUT/summary.md" 2>"$OUT/summary.err" || cat "$OUT/summary.err"
 echo
 column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
 if [[ $failed -gt 0 ]]; then
-  echo "gpu_check: $failed stage(s) failed; logs in $OUT"
+  echo "gpu_check: $failed stage(s) failed; logs in $OUT (summary.md)"
   exit 1
 fi
-echo "gpu_check: all stages passed; results in $OUT"
+echo "gpu_check: all stages that fit the budget passed; results in $OUT (summary.md)"

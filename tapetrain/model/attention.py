@@ -38,6 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from tapetrain.model import verified_paths
 from tapetrain.model.config import ATTN_BACKENDS
 from tapetrain.model.documents import DocumentMask
 from tapetrain.model.xpos import XposDecay, decayed_attention
@@ -230,22 +231,40 @@ def _cudnn_sdpa(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
+def gpu_path(backend: str, device: torch.device, dtype: torch.dtype, *, has_e: bool, has_docs: bool = False,
+             gqa: bool = False) -> verified_paths.GpuPath:
+    """The verified-paths key of one attention call on a CUDA device."""
+    return verified_paths.GpuPath("attention", backend, verified_paths.capability_of(device),
+                                  verified_paths.dtype_name(dtype), e=has_e, docs=has_docs, gqa=gqa)
+
+
+def _verified_here(name: str, device: torch.device, dtype: torch.dtype, has_e: bool, has_docs: bool,
+                   gqa: bool) -> bool:
+    """Installed, and (on CUDA) passed its gpu-marked tests on this GPU capability (tapetrain.model.verified_paths):
+    what `auto` needs before it picks a fused backend."""
+    if not backend_available(name, device):
+        return False
+    return device.type != "cuda" or verified_paths.is_verified(gpu_path(name, device, dtype, has_e=has_e,
+                                                                         has_docs=has_docs, gqa=gqa))
+
+
 def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool,
-                   has_docs: bool = False, grad: bool = True) -> str:
-    """Resolve "auto" (or validate an explicit choice) for one call site; logs each new decision once."""
+                   has_docs: bool = False, grad: bool = True, gqa: bool = False) -> str:
+    """Resolve "auto" (or validate an explicit choice) for one call site; logs each new decision once. On CUDA,
+    "auto" picks a fused backend only where the verified-paths record says it passed on this GPU capability."""
     if requested not in ATTN_BACKENDS:
         raise ValueError(f"model.attn_backend={requested!r} is not a backend; choose one of {', '.join(ATTN_BACKENDS)}")
     if requested == "auto" and has_docs:
-        choice = _document_backend(device, dtype, has_bias, has_e, grad)
+        choice = _document_backend(device, dtype, has_bias, has_e, grad, gqa)
     elif requested == "auto":
         if device.type == "cuda" and not has_bias and dtype in (torch.float16, torch.bfloat16):
             if has_e and _cudnn_sdpa(device):
                 # Measured on H100 (docs/benchmarks/gpu): cuDNN's attention with [V ‖ E] as 2D-wide values beats
                 # the Triton kernel forward+backward at every length, and the whole training step with it.
                 choice = "sdpa"
-            elif has_e and backend_available("triton", device):
+            elif has_e and _verified_here("triton", device, dtype, has_e, False, gqa):
                 choice = "triton"
-            elif not has_e and backend_available("flash", device):
+            elif not has_e and _verified_here("flash", device, dtype, has_e, False, gqa):
                 choice = "flash"
             else:
                 choice = "sdpa"
@@ -268,6 +287,8 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
             choice = "sdpa"  # FlexAttention is here for document masks only; plain causal attention is SDPA's
         else:
             choice = requested
+        if device.type == "cuda" and not torch.compiler.is_compiling():
+            verified_paths.warn_if_unverified(gpu_path(choice, device, dtype, has_e=has_e, has_docs=has_docs, gqa=gqa))
     # One line per distinct choice: a TAPE model's last layer (no state update, so no E) usually gets the same
     # backend as its other layers and is not logged again.
     key = (requested, choice, device.type, dtype, has_bias, has_docs, grad if has_docs else True)
@@ -287,21 +308,23 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
     return choice
 
 
-def _document_backend(device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool, grad: bool) -> str:
+def _document_backend(device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool, grad: bool,
+                      gqa: bool = False) -> str:
     """"auto" with a document mask. GPU, 16-bit, no bias: the Triton kernel for TAPE's [V ‖ E] (it skips the key
     tiles of other documents), flash-attn's varlen call without E, else FlexAttention. CPU, no bias: compiled
     FlexAttention for forwards without gradients (measured 2-4.5x faster than SDPA's boolean mask, forward,
     T = 1024..4096; docs/document-masking.md) and SDPA to train (FlexAttention has no CPU backward)."""
     if has_bias or not backend_available("flex", device):
         return "sdpa"
-    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        if has_e and backend_available("triton", device):
-            return "triton"
-        if not has_e and backend_available("flash", device):
-            return "flash"
-        return "flex"
     if device.type == "cuda":
-        return "flex"
+        half = dtype in (torch.float16, torch.bfloat16)
+        if half and has_e and _verified_here("triton", device, dtype, has_e, True, gqa):
+            return "triton"
+        if half and not has_e and _verified_here("flash", device, dtype, has_e, True, gqa):
+            return "flash"
+        # FlexAttention compiles its own kernel: like the others, only once verified here; SDPA's boolean mask is
+        # the fallback (slower, PyTorch's own).
+        return "flex" if _verified_here("flex", device, dtype, has_e, True, gqa) else "sdpa"
     return "sdpa" if grad else "flex"
 
 
@@ -355,8 +378,9 @@ def attention(
 
         return decayed_attention(q, k, v, e, decay, attend, causal=causal, bias=bias, docs=docs)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, e, bias))
+    gqa = len({q.shape[1], k.shape[1], v.shape[1]}) > 1  # fewer key or value heads than query heads
     name = choose_backend(backend, device=q.device, dtype=q.dtype, has_bias=bias is not None, has_e=e is not None,
-                          has_docs=docs is not None, grad=grad)
+                          has_docs=docs is not None, grad=grad, gqa=gqa)
     if docs is None:  # today's calls, unchanged
         return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias)
     return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias, docs=docs)

@@ -85,9 +85,48 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
         f"tokens per step: {cfg.tokens_per_step(world):,} ({cfg.train.global_batch_size} x {cfg.data.seq_len})",
         f"tokens in the run: {cfg.tokens_per_step(world) * cfg.train.steps:,} ({cfg.train.steps} steps)",
         *_memory_lines(cfg, model_config, world, total, trainable),
+        *attention_plan_lines(model_config, cfg.deepspeed.precision, cfg.data.document_mask),
     ]
     print("\n".join(lines))
     return 0
+
+
+def attention_plan_lines(model_config: ModelConfig, precision: str, document_mask: bool,
+                         device: torch.device | None = None) -> list[str]:
+    """One line per kind of layer: the attention backend `model.attn_backend` resolves to on this machine's device,
+    and whether that path is verified on it (tapetrain/model/verified_paths.py)."""
+    from tapetrain.model import verified_paths
+    from tapetrain.model.attention import choose_backend, gpu_path
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    has_bias = model_config.pe in ("alibi", "fire")
+    gqa = model_config.kv_heads != model_config.n_heads
+    kinds: dict[bool, list[int]] = {}
+    for layer in range(model_config.n_layers):
+        kinds.setdefault(model_config.updates_tape_state(layer), []).append(layer)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    lines = [f"attention ({model_config.attn_backend!r} on {where}, {precision}"
+             + (", document mask" if document_mask else "") + "):"]
+    for has_e, layers in sorted(kinds.items(), reverse=True):
+        try:
+            backend = choose_backend(model_config.attn_backend, device=device, dtype=dtype, has_bias=has_bias,
+                                     has_e=has_e, has_docs=document_mask, gqa=gqa)
+        except (RuntimeError, ValueError) as err:
+            backend, state = "refused", str(err)
+        else:
+            if device.type != "cuda":
+                state = "CPU: PyTorch's own or the CPU-tested path"
+            elif backend in verified_paths.FALLBACKS["attention"]:
+                state = "PyTorch's own kernel (the fallback)"
+            else:
+                path = gpu_path(backend, device, dtype, has_e=has_e, has_docs=document_mask, gqa=gqa)
+                state = "verified" if verified_paths.is_verified(path) else \
+                    f"UNVERIFIED on this GPU; {verified_paths.HOW_TO_VERIFY}"  # fmt: skip
+        what = "layers carrying TAPE's E" if has_e else "layers without E"
+        span = f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+        lines.append(f"  {what} ({span}): {backend} ({state})")
+    return lines
 
 
 def dry_run(cfg: RunConfig, env: DistEnv) -> int:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tapetrain.model import Transformer, preset_config
+from tests.unit.model_helpers import assert_reference_grads_nonzero, randomize_tape, trainable_names
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -18,10 +19,7 @@ def _model(backend: str, head_dim: int, pe: str = "tape", **extra) -> Transforme
         vocab_size=1024, attn_backend=backend, **extra,
     )  # fmt: skip
     model = Transformer(cfg)
-    with torch.no_grad():  # every TAPE weight non-zero, so the E stream and its gradients matter
-        for name, p in model.named_parameters():
-            if "tape_mix" in name or "down_proj" in name and "tape" in name:
-                p.normal_(0, 0.05)
+    randomize_tape(model, std=0.05)  # every TAPE weight non-zero, so the E stream and its gradients matter
     return model.cuda().to(torch.bfloat16)
 
 
@@ -29,13 +27,18 @@ def _loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[float, dict[
     model.zero_grad(set_to_none=True)
     loss = model(ids[:, :-1], labels=ids[:, 1:]).loss
     loss.backward()
-    return float(loss), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert_reference_grads_nonzero(grads, trainable_names(model))  # no comparison of 0 against 0
+    return float(loss), grads
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
+@pytest.mark.verifies(kind="attention", backend="triton", dtypes=["bf16"], e=True, gqa=True)
+@pytest.mark.verifies(kind="attention", backend="sdpa", dtypes=["bf16"], e=True, gqa=True)
+@pytest.mark.verifies(kind="attention", backend="sdpa", dtypes=["bf16"], e=False, gqa=True)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_triton_backend_matches_sdpa(head_dim):
     ids = torch.randint(0, 1024, (2, 513), device="cuda")
@@ -66,9 +69,10 @@ def test_compiled_layers_match_eager_on_gpu():
 
 
 @pytest.mark.parametrize("backend, pe", [("triton", "tape"), ("flash", "rope")])
-def test_rope_scaling_temperature_reaches_the_fused_backends(backend, pe):
+def test_rope_scaling_temperature_reaches_the_fused_backends(backend, pe, verifies):
     """YaRN's temperature is the attention scale of every backend (Qwen3 layout: q/k norms too): the fused kernels
     equal SDPA in loss and gradients."""
+    verifies(kind="attention", backend=backend, dtypes=["bf16"], e=pe == "tape", gqa=True)
     if backend == "flash":
         pytest.importorskip("flash_attn")
     extra = dict(family="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,

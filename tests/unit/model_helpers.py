@@ -1,5 +1,7 @@
 """Shared builders for model tests."""
 
+from collections.abc import Iterable, Mapping
+
 import torch
 
 from tapetrain.model import Transformer, preset_config
@@ -19,6 +21,22 @@ def randomize_tape(model: Transformer, std: float = 0.2, seed: int = 1) -> None:
         for name, param in model.named_parameters():
             if "tape" in name:
                 param.copy_(torch.randn(param.shape, generator=gen) * std)
+
+
+def assert_reference_grads_nonzero(grads: Mapping[str, torch.Tensor | None], should_train: Iterable[str],
+                                   allowed_zero: Mapping[str, str] | None = None) -> None:
+    """Before comparing gradients: every parameter that should train has a reference gradient with a non-zero entry,
+    so no comparison is 0 against 0 (TAPE's zero-initialised projections: randomize_tape first). A parameter that may
+    legitimately get a zero gradient is listed in `allowed_zero` with the reason."""
+    allowed_zero = allowed_zero or {}
+    dead = [name for name in should_train if name not in allowed_zero
+            and (grads.get(name) is None or not bool((grads[name] != 0).any()))]
+    assert not dead, (f"reference gradient missing or all zero for {dead}: comparing it would compare nothing; "
+                      "randomise zero-initialised weights or list the parameter in allowed_zero with its reason")
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    return [name for name, param in model.named_parameters() if param.requires_grad]
 
 
 def randomize_fire(model: Transformer, std: float = 0.3) -> None:

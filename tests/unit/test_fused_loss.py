@@ -4,7 +4,7 @@ tied embeddings, errors, and the bytes autograd keeps. ZeRO-3 is in tests/distri
 import pytest
 import torch
 import torch.nn.functional as F
-from model_helpers import build, randomize_tape
+from model_helpers import assert_reference_grads_nonzero, build, randomize_tape, trainable_names
 
 from tapetrain.errors import ConfigError
 from tapetrain.model import Transformer, preset_config
@@ -115,6 +115,7 @@ def test_model_fused_loss_matches_plain_for_every_parameter(pe, tie, dtype):
     out_p, grads_p = train_grads(plain, TOKENS, labels)
     out_f, grads_f = train_grads(fused, TOKENS, labels)
     assert out_f.logits is None and out_p.logits is not None  # training with labels never builds (B, T, V)
+    assert_reference_grads_nonzero(grads_p, trainable_names(plain))
     head, deep = (1e-6, 5e-6) if dtype == torch.float32 else (1e-11, 1e-11)
     assert rel_err(out_f.loss, out_p.loss) <= head
     for name, expected in grads_p.items():
@@ -191,13 +192,13 @@ def test_fused_loss_saves_far_fewer_bytes_than_plain():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["chunked", "liger"])
-def test_fused_backends_match_plain_on_cuda(backend):
+def test_fused_backends_match_plain_on_cuda(backend, verifies):
     """On CUDA: chunked always, liger-kernel when installed (pip install 'tapetrain[liger]'; make gpu-wheels
     should carry it). fp32 (no TF32) against the plain path: loss within 1e-6, gradients within 1e-5 (cuBLAS
     reduction order); then bf16 through the whole model."""
+    verifies(kind="loss", backend=backend, dtypes=["fp32", "bf16"])
     if backend == "liger":
         pytest.importorskip("liger_kernel", reason="liger-kernel not installed: pip install 'tapetrain[liger]'")
-        assert resolve_loss_backend("auto", torch.device("cuda")) == "liger"
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 1024, 256, generator=gen).cuda()
     weight = (torch.randn(32000, 256, generator=gen) * 0.05).cuda()
@@ -211,7 +212,9 @@ def test_fused_backends_match_plain_on_cuda(backend):
         torch.backends.cuda.matmul.allow_tf32 = tf32
     for name, a, b, bound in zip(("loss", "d hidden", "d weight"), fused, plain, (1e-6, 1e-5, 1e-5), strict=True):
         assert rel_err(a, b) <= bound, (name, rel_err(a, b))
-    model_p = build("tape", loss_backend="plain", attn_backend="sdpa").cuda().to(torch.bfloat16).train()
+    model_p = build("tape", loss_backend="plain", attn_backend="sdpa")
+    randomize_tape(model_p)  # TAPE's zero-initialised projections would give 0-vs-0 gradients
+    model_p = model_p.cuda().to(torch.bfloat16).train()
     model_f = build("tape", loss_backend=backend, attn_backend="sdpa", loss_chunk_mib=10 * 512 * 4 / 2**20)
     model_f = model_f.cuda().to(torch.bfloat16).train()
     model_f.load_state_dict(model_p.state_dict())
@@ -222,5 +225,6 @@ def test_fused_backends_match_plain_on_cuda(backend):
     out_p.loss.backward()
     out_f.loss.backward()
     grads = dict(model_f.named_parameters())
+    assert_reference_grads_nonzero({n: p.grad for n, p in model_p.named_parameters()}, trainable_names(model_p))
     for name, param in model_p.named_parameters():
         assert rel_err(grads[name].grad.float(), param.grad.float()) <= 3e-2, name

@@ -19,25 +19,46 @@ def _check(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, timeout=60, cwd=REPO)
 
 
-def test_dry_run_lists_every_stage(tmp_path):
+def _planned(stdout: str) -> list[str]:
+    return [line.split("]")[0].strip(" [") for line in stdout.splitlines() if "] (estimate" in line]
+
+
+def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
+    """Default budget 480 s: the tests (last campaign's failures first), the record, then the decisive benchmark;
+    what does not fit is listed as skipped. A budget large enough plans every stage."""
     proc = _check(str(tmp_path / "out"), "--dry-run")
     assert proc.returncode == 0, proc.stderr
-    for stage in ("install", "gpu-tests", "kernel-tune", "attention-d64", "attention-d128", "train-155m",
-                  "train-1b", "profile-1b", "engine-155m", "layer-memory"):  # fmt: skip
-        assert f"[{stage}]" in proc.stdout, stage
-    assert "pytest -m gpu" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
+    planned = _planned(proc.stdout)
+    assert planned[:6] == ["install", "env", "gpu-tests-first", "gpu-tests", "verified-paths", "train-1b-compile"]
+    assert "budget 480s" in proc.stdout and "] skipped: its estimate" in proc.stdout
+    assert "-m 'gpu or verifies'" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
+    every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)
+    for stage in ("install", "gpu-tests", "kernel-tune", "attention-d64", "attention-d128", "train-155m-compile",
+                  "train-1b", "profile-1b", "engine-155m", "layer-memory", "docmask-155m"):  # fmt: skip
+        assert stage in every, stage
     assert not any((tmp_path / "out").iterdir())  # a dry run writes nothing
+    assert _check(str(tmp_path), "--budget", "soon").returncode == 2
 
 
 def test_only_and_skip_select_stages(tmp_path):
-    proc = _check(str(tmp_path), "--dry-run", "--only", "env,train-155m")
+    proc = _check(str(tmp_path), "--dry-run", "--only", "env,train-155m-compile")
     assert proc.returncode == 0
-    assert [line.split("]")[0].strip(" [") for line in proc.stdout.splitlines() if "] (limit" in line] == [
-        "env", "train-155m"
-    ]  # fmt: skip
-    proc = _check(str(tmp_path), "--dry-run", "--skip", "gpu-tests")
+    assert _planned(proc.stdout) == ["env", "train-155m-compile"]
+    proc = _check(str(tmp_path), "--dry-run", "--skip", "gpu-tests", "--budget", "100000")
     assert "[gpu-tests]" not in proc.stdout and "[train-1b]" in proc.stdout
     assert _check(str(tmp_path), "--bogus").returncode == 2
+
+
+def test_stages_past_the_budget_are_skipped_and_summarised(tmp_path):
+    """A real run with no budget left: nothing starts, summary.tsv and summary.md say each stage was skipped."""
+    proc = _check(str(tmp_path / "out"), "--budget", "0", "--only", "env,gpu-tests,train-1b-compile")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = (tmp_path / "out" / "summary.tsv").read_text().splitlines()[1:]
+    assert [row.split("\t")[:2] for row in rows] == [["env", "skipped"], ["gpu-tests", "skipped"],
+                                                      ["train-1b-compile", "skipped"]]  # fmt: skip
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "| gpu-tests | skipped (budget) |" in summary
+    assert "| TAPE/RoPE step (train-llama-1b-compile.json) | not measured | ≤ 1.1 |" in summary
 
 
 def test_missing_wheels_fail_the_install_stage_clearly(tmp_path):

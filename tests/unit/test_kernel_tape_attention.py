@@ -20,6 +20,7 @@ from tapetrain.kernels import tape_attention as kernel_mod  # noqa: E402
 from tapetrain.kernels.tape_attention import tape_attention  # noqa: E402
 from tapetrain.model import attention as attn_mod  # noqa: E402
 from tapetrain.model.attention import eager_attention  # noqa: E402
+from tapetrain.model.verified_paths import DTYPE_NAMES  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")
@@ -280,13 +281,15 @@ def _half_vs_fp32(fn, dtype, b, h, hk, hv, t, s, d, causal, **kw):
 @gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("gqa", [(4, 4, 2), (4, 2, 2)])
-def test_gpu_half_precision_long(dtype, d, gqa):
+@pytest.mark.parametrize("gqa", [(4, 4, 4), (4, 4, 2), (4, 2, 2)])
+def test_gpu_half_precision_long(dtype, d, gqa, verifies):
+    verifies(kind="attention", backend="triton", dtypes=[DTYPE_NAMES[dtype]], e=True, gqa=gqa != (4, 4, 4))
     _half_vs_fp32(tape_attention, dtype, 2, *gqa, 1024, 1024, d, True)
 
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.verifies(kind="attention", backend="triton", dtypes=["fp32"], e=True, gqa=True)
 def test_gpu_fp32_and_decode():
     _compare(*_inputs(1, 4, 4, 2, 300, 300, 64), causal=True, atol_out=1e-4, atol_grad=1e-3)
     _compare(*_inputs(2, 4, 4, 2, 1, 777, 64), causal=True, atol_out=1e-4, atol_grad=1e-3)
@@ -297,7 +300,8 @@ def test_gpu_fp32_and_decode():
 @gpu
 @pytest.mark.parametrize("strategy", ["two_calls", "padded"])
 @pytest.mark.parametrize("gqa", [(4, 4, 2), (4, 2, 2)])
-def test_gpu_flash_strategies(strategy, gqa):
+def test_gpu_flash_strategies(strategy, gqa, verifies):
+    verifies(kind="attention", backend="flash", dtypes=["bf16"], e=True, gqa=True)
     pytest.importorskip("flash_attn")
     from tapetrain.kernels.flash import flash_tape_attention
 

@@ -1,0 +1,65 @@
+"""The GPU campaign's side of the verified-paths record (tapetrain.model.verified_paths): a campaign record from
+the junit XML of the gpu-marked tests, and merging it into the committed record."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Iterable
+from dataclasses import asdict
+from pathlib import Path
+
+from tapetrain.bench.report import write_json_atomic
+from tapetrain.model import verified_paths
+from tapetrain.model.verified_paths import GpuPath
+
+
+def _outcome(case: ET.Element) -> str:
+    if case.find("failure") is not None or case.find("error") is not None:
+        return "failed"
+    if case.find("skipped") is not None:
+        return "skipped"
+    return "passed"
+
+
+def _claims(case: ET.Element) -> Iterable[dict]:
+    for prop in case.iter("property"):
+        if prop.get("name") == "verifies":
+            yield json.loads(prop.get("value", "{}"))
+
+
+def record_from_junit(xml_paths: Iterable[Path], *, device: str, capability: str, date: str, versions: dict,
+                      source: str = "") -> dict:
+    """One campaign: every path some test claims (`verifies` properties), passed when at least one claiming test
+    passed and none failed. Skipped tests verify nothing. Each path lists its tests and their outcomes."""
+    tests: dict[GpuPath, list[tuple[str, str]]] = {}
+    for xml_path in xml_paths:
+        for case in ET.parse(xml_path).getroot().iter("testcase"):
+            name = f"{case.get('classname', '')}::{case.get('name', '')}"
+            outcome = _outcome(case)
+            for claim in _claims(case):
+                dtypes = claim.pop("dtypes", None) or [claim.pop("dtype", "bf16")]
+                for dt in dtypes:
+                    path = GpuPath(capability=capability, dtype=dt, **claim)
+                    tests.setdefault(path, []).append((name, outcome))
+    paths = []
+    for path, results in sorted(tests.items(), key=lambda item: repr(item[0])):
+        outcomes = {outcome for _, outcome in results}
+        if outcomes == {"skipped"}:
+            continue  # never ran (e.g. flash-attn not installed): not a result either way
+        entry = {k: v for k, v in asdict(path).items() if k != "capability"}
+        entry["passed"] = "failed" not in outcomes and "passed" in outcomes
+        entry["tests"] = [f"{name}: {outcome}" for name, outcome in results]
+        paths.append(entry)
+    return {"device": device, "capability": capability, "date": date, "versions": versions, "source": source,
+            "paths": paths}
+
+
+def merge_campaign(record_file: Path, campaign: dict) -> dict:
+    """The record with `campaign` added (replacing one of the same device and date), written atomically."""
+    record = json.loads(record_file.read_text()) if record_file.exists() else {"schema": 1, "campaigns": []}
+    kept = [c for c in record["campaigns"] if (c["device"], c["date"]) != (campaign["device"], campaign["date"])]
+    record["campaigns"] = sorted([*kept, campaign], key=lambda c: (c["date"], c["device"]))
+    write_json_atomic(record_file, record)
+    verified_paths.clear_cache()
+    return record

@@ -1,0 +1,114 @@
+"""Which fused GPU paths have passed their tests on which kind of GPU: the record `auto` consults.
+
+A *path* is one way a computation runs: (kind, backend, GPU capability, dtype, features). Kinds are "attention"
+(features: `e` = TAPE's state as extra values, `docs` = document mask, `gqa` = fewer key than query heads) and
+"loss" (the fused linear cross-entropy). The GPU campaign (`make gpu-check`) runs the gpu-marked tests; each test
+declares what it verifies with `@pytest.mark.verifies(...)`, and `tapetrain.bench.verified_record` turns the
+junit XML into a campaign record. Committed campaigns live in `verified_paths.json` next to this file
+(`tools/verified_paths.py merge` adds one).
+
+`auto` picks a fused path (Triton, flash-attn, FlexAttention, liger) only where the newest campaign on that GPU
+capability that tested it saw it pass; otherwise it falls back to PyTorch's own kernels (SDPA, the chunked loss).
+A path named explicitly still runs, with one warning saying it is unverified and how to verify it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("tapetrain.model")
+
+RECORD_FILE = Path(__file__).with_name("verified_paths.json")
+RECORD_ENV = "TAPETRAIN_VERIFIED_PATHS"  # another record (a test's, or a cluster's own campaign)
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+# Always available to auto as the fallback: PyTorch's own kernels. They are recorded too when a campaign tests them.
+FALLBACKS = {"attention": ("sdpa", "eager"), "loss": ("chunked", "plain")}
+HOW_TO_VERIFY = "run `make gpu-check` on this kind of GPU and commit its verified-paths.json (docs/performance.md)"
+
+
+@dataclass(frozen=True)
+class GpuPath:
+    kind: str  # "attention" | "loss"
+    backend: str
+    capability: str  # "9.0" (H100, H200), "8.0" (A100), ...
+    dtype: str  # "bf16" | "fp16" | "fp32"
+    e: bool = False
+    docs: bool = False
+    gqa: bool = False
+
+    def describe(self) -> str:
+        feats = [name for name, on in (("E", self.e), ("document mask", self.docs), ("GQA", self.gqa)) if on]
+        return f"{self.kind} backend {self.backend!r} on sm_{self.capability.replace('.', '')} {self.dtype}" + (
+            f" with {', '.join(feats)}" if feats else ""
+        )
+
+
+def capability_of(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}.{minor}"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+@lru_cache(maxsize=4)
+def _load(path: str) -> tuple[dict, ...]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return ()
+    except json.JSONDecodeError as err:
+        raise ValueError(f"verified-paths record {path} is not valid JSON ({err}); restore it from git") from err
+    return tuple(data.get("campaigns", ()))
+
+
+def campaigns() -> tuple[dict, ...]:
+    """The committed campaigns, or those of $TAPETRAIN_VERIFIED_PATHS."""
+    return _load(os.environ.get(RECORD_ENV) or str(RECORD_FILE))
+
+
+def status(path: GpuPath) -> tuple[bool | None, dict | None]:
+    """(passed, campaign) from the newest campaign on this capability that tested `path`; (None, None) when none did."""
+    key = asdict(path)
+    for campaign in sorted(campaigns(), key=lambda c: c.get("date", ""), reverse=True):
+        if campaign.get("capability") != path.capability:
+            continue
+        for entry in campaign.get("paths", ()):
+            if all(entry.get(k) == v for k, v in key.items() if k != "capability"):
+                return bool(entry.get("passed")), campaign
+    return None, None
+
+
+def is_verified(path: GpuPath) -> bool:
+    return status(path)[0] is True
+
+
+_warned: set[GpuPath] = set()
+
+
+def warn_if_unverified(path: GpuPath) -> None:
+    """One warning line per process and path when a path named explicitly has not passed on this kind of GPU."""
+    if path in _warned or path.backend in FALLBACKS[path.kind] or torch.compiler.is_compiling():
+        return
+    _warned.add(path)
+    passed, campaign = status(path)
+    if passed:
+        return
+    seen = "failed its tests in the campaign of " + f"{campaign['date']} ({campaign['device']})" if campaign else \
+        "has not been tested on this kind of GPU"  # fmt: skip
+    log.warning("%s is unverified: it %s; it runs because it was asked for by name. To verify it, %s",
+                path.describe(), seen, HOW_TO_VERIFY)
+
+
+def clear_cache() -> None:
+    """Forget the loaded record (after a merge, or a test that points $TAPETRAIN_VERIFIED_PATHS elsewhere)."""
+    _load.cache_clear()
+    _warned.clear()
