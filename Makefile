@@ -54,8 +54,10 @@ gpu-wheels: setup
 	rm -rf $(GPU_WHEELS_DIR) && mv $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS_DIR)
 	ls $(GPU_WHEELS_DIR)
 
+# Stages by priority within GPU_BUDGET seconds (tests first); the .tgz carries every file back in one.
+GPU_BUDGET ?= 540
 gpu-check:
-	tools/gpu_check.sh gpu-check-out
+	tools/gpu_check.sh gpu-check-out --budget $(GPU_BUDGET) --tar gpu-check-out.tgz
 
 # Registers / spills / shared memory of every Triton kernel for sm_80 and sm_90a (no GPU needed).
 kernel-report: setup

@@ -1,30 +1,34 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine (torch + triton present, no internet): install the wheels that
 # `make gpu-wheels` put into gpu-wheels/, then run stages by priority within a time budget: the GPU tests (those
-# that failed in the last campaign first), the verified-paths record, then the decisive benchmarks. A stage runs
-# only if its estimate fits what is left of the budget (and never past it); the rest are listed as skipped.
+# that failed in the newest committed campaign first), the verified-paths record, then the decisive benchmarks.
+# A stage runs only if its estimate fits what is left of the budget (never past it); the rest are listed as skipped.
 # Leaves logs, JSON, PNG, summary.tsv, summary.md and verified-paths.json in OUT_DIR.
 #
-#   tools/gpu_check.sh OUT_DIR [--budget SECONDS] [--dry-run] [--only STAGE[,...]] [--skip STAGE[,...]]
+#   tools/gpu_check.sh OUT_DIR [--budget SECONDS] [--tar FILE] [--dry-run] [--only STAGE,...] [--skip STAGE,...]
 #
-# --budget: seconds for all stages together (default 480, one short GPU window). Environment: PYTHON (default
-# python3), TAPETRAIN_GPU_WHEELS (default ./gpu-wheels), TAPETRAIN_GPU_SITE (default /tmp/tapetrain-gpu-site).
+# --budget: seconds for all stages (default 540: a 15-minute GPU window less start-up and a margin).
+# --tar FILE: also pack OUT_DIR into one .tgz at the end (for a remote runner that brings back few files).
+# Environment: PYTHON (default python3), TAPETRAIN_GPU_WHEELS (default ./gpu-wheels), TAPETRAIN_GPU_SITE (default
+# /tmp/tapetrain-gpu-site).
 set -uo pipefail
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
 [[ $# -ge 1 && $1 != -* ]] || usage
 OUT=$1
 shift
 DRY=0
 ONLY=""
 SKIP=""
-BUDGET=480
+BUDGET=540
+TAR=""
 while [[ $# -gt 0 ]]; do
   case $1 in
     --dry-run) DRY=1 ;;
     --only) ONLY=${2:?--only needs a list}; shift ;;
     --skip) SKIP=${2:?--skip needs a list}; shift ;;
     --budget) BUDGET=${2:?--budget needs seconds}; shift ;;
+    --tar) TAR=${2:?--tar needs a file}; shift ;;
     -h|--help) usage 0 ;;
     *) echo "gpu_check: unknown argument $1" >&2; usage ;;
   esac
@@ -41,25 +45,26 @@ PYTEST="$PY -m pytest -q -p no:cacheprovider --timeout=240 -rfEs"
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 
-# Tests that failed in the newest committed campaign (docs/benchmarks/gpu/h200-2026-11-26): they run first.
-FIRST="$REPO/tests/unit/test_document_mask_triton.py::test_packed_documents_equal_separate_runs_triton"
-FIRST="$FIRST $REPO/tests/unit/test_fused_loss.py::test_fused_backends_match_plain_on_cuda"
-DESELECT="--deselect tests/unit/test_document_mask_triton.py::test_packed_documents_equal_separate_runs_triton"
-DESELECT="$DESELECT --deselect tests/unit/test_fused_loss.py::test_fused_backends_match_plain_on_cuda"
+# Tests that failed in the newest committed campaign (docs/benchmarks/gpu/*/gpu-tests*.xml) run first, alone.
+FIRST=$(cd "$REPO" && "$PY" tools/gpu_summary.py --last-failed 2>/dev/null)
+DESELECT=""
+for node in $FIRST; do DESELECT="$DESELECT --deselect $node"; done
+FIRST_ESTIMATE=0
+[[ -n $FIRST ]] && FIRST_ESTIMATE=55
 
-# name | estimate (s, what the stage took on an H100/H200) | limit (s) | command. In priority order: the budget
+# name | estimate (s: what the stage took on the H200 of 2026-11-27, or on the H100 of 2026-11-23) | limit (s) | command. In priority order: the budget
 # goes to the first stages; a stage whose estimate does not fit what is left is skipped (listed in summary.md).
 STAGES=(
-  "install|15|90|install_wheels"
-  "env|10|60|describe_machine"
-  "gpu-tests-first|60|150|$PYTEST --junitxml=$OUT/gpu-tests-first.xml $FIRST"
-  "gpu-tests|150|300|cd $REPO && $PYTEST -m 'gpu or verifies' $DESELECT --junitxml=$OUT/gpu-tests.xml tests"
-  "verified-paths|10|60|$PY $REPO/tools/verified_paths.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml --out $OUT/verified-paths.json"
-  "train-1b-compile|150|300|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
-  "layer-memory|45|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
-  "profile-1b|120|240|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
-  "train-155m-compile|100|240|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 12 --warmup 3 --set compile=true --out $OUT/train-paper-155m-compile.json"
-  "docmask-155m|90|150|$BENCH docmask --preset paper-155m --seq-len 8192 --docs 8 --pairs 30 --warmup 10 --out $OUT/docmask-paper-155m-8192.json"
+  "install|5|90|install_wheels"
+  "env|20|60|describe_machine"
+  "gpu-tests-first|$FIRST_ESTIMATE|150|cd $REPO && if [ -n \"$FIRST\" ]; then $PYTEST --junitxml=$OUT/gpu-tests-first.xml $FIRST; else echo 'nothing failed in the newest committed campaign'; fi"
+  "gpu-tests|300|360|cd $REPO && $PYTEST -m 'gpu or verifies' $DESELECT --junitxml=$OUT/gpu-tests.xml tests"
+  "verified-paths|15|60|$PY $REPO/tools/verified_paths.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml --out $OUT/verified-paths.json"
+  "train-1b-compile|75|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
+  "layer-memory|30|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
+  "profile-1b|60|180|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
+  "train-155m-compile|55|180|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 12 --warmup 3 --set compile=true --out $OUT/train-paper-155m-compile.json"
+  "docmask-155m|30|120|$BENCH docmask --preset paper-155m --seq-len 8192 --docs 8 --pairs 30 --warmup 10 --out $OUT/docmask-paper-155m-8192.json"
   "kernel-tune|150|150|$PY $REPO/tools/tune_attention.py --budget-s ${TAPETRAIN_TUNE_BUDGET_S:-30} --head-dims ${TAPETRAIN_TUNE_DIMS:-64,128} --out $OUT/kernel-tune.json"
   "attention-d64|90|120|$BENCH attention --head-dim 64 --heads 16 --batch 4 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d64.json"
   "attention-d128|90|120|$BENCH attention --head-dim 128 --heads 16 --batch 2 --seq-lens 1024,2048,4096,8192 --out $OUT/attention-d128.json"
@@ -154,6 +159,7 @@ for entry in "${STAGES[@]}"; do
 done
 
 "$PY" "$REPO/tools/gpu_summary.py" "$OUT" >"$OUT/summary.md" 2>"$OUT/summary.err" || cat "$OUT/summary.err"
+[[ -n $TAR ]] && tar czf "$TAR" -C "$(dirname "$OUT")" "$(basename "$OUT")"
 echo
 column -t -s $'\t' "$SUMMARY" 2>/dev/null || cat "$SUMMARY"
 if [[ $failed -gt 0 ]]; then

@@ -40,7 +40,14 @@ def build_model(
     overrides: dict[str, Any] | None = None,
     seed: int = 0,
 ) -> Transformer:
-    """The preset with `pe` swapped in; the same seed gives every PE the same shared weights."""
+    """The preset with `pe` swapped in; the same seed gives every PE the same shared weights. `pe`, the backend and
+    activation checkpointing have their own options: a `--set` of them would be silently replaced, so it is refused."""
+    owned = {"pe": "--pe/--pe-list", "attn_backend": "--backend",
+             "activation_checkpointing": "--activation-checkpointing"}
+    clash = sorted(set(overrides or {}) & set(owned))
+    if clash:
+        raise ValueError(f"--set {', '.join(clash)}: set {' and '.join(owned[k] for k in clash)} instead (the mode's "
+                         "own option decides it)")
     cfg = preset_config(
         preset,
         **{

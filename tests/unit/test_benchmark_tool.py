@@ -186,6 +186,17 @@ def test_docmask_settings_refuse_few_pairs_and_bad_docs() -> None:
     bench.check_docmask_settings(bench.DocmaskSettings(pairs=2, allow_few_pairs=True))
 
 
+def test_a_set_of_what_a_mode_option_decides_is_refused() -> None:
+    """`docmask --set attn_backend=triton` ran `auto` on the H200 (2026-11-27): the mode's --backend replaced it."""
+    from tapetrain.bench.steps import build_model
+
+    with pytest.raises(ValueError, match="--set attn_backend: set --backend instead"):
+        build_model("tiny", "tape", 64, backend="auto", overrides={"attn_backend": "triton"})
+    with pytest.raises(ValueError, match="--set pe: set --pe/--pe-list instead"):
+        build_model("tiny", "tape", 64, overrides={"pe": "rope"})
+    assert build_model("tiny", "tape", 64, backend="eager", overrides={"n_layers": 1}).cfg.attn_backend == "eager"
+
+
 # ---- pure helpers ---------------------------------------------------------------------------------------------
 
 

@@ -24,13 +24,13 @@ def _planned(stdout: str) -> list[str]:
 
 
 def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
-    """Default budget 480 s: the tests (last campaign's failures first), the record, then the decisive benchmark;
+    """Default budget 540 s: the tests (last campaign's failures first), the record, then the decisive benchmark;
     what does not fit is listed as skipped. A budget large enough plans every stage."""
     proc = _check(str(tmp_path / "out"), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     planned = _planned(proc.stdout)
     assert planned[:6] == ["install", "env", "gpu-tests-first", "gpu-tests", "verified-paths", "train-1b-compile"]
-    assert "budget 480s" in proc.stdout and "] skipped: its estimate" in proc.stdout
+    assert "budget 540s" in proc.stdout and "] skipped: its estimate" in proc.stdout
     assert "-m 'gpu or verifies'" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
     every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)
     for stage in ("install", "gpu-tests", "kernel-tune", "attention-d64", "attention-d128", "train-155m-compile",
@@ -47,6 +47,39 @@ def test_only_and_skip_select_stages(tmp_path):
     proc = _check(str(tmp_path), "--dry-run", "--skip", "gpu-tests", "--budget", "100000")
     assert "[gpu-tests]" not in proc.stdout and "[train-1b]" in proc.stdout
     assert _check(str(tmp_path), "--bogus").returncode == 2
+
+
+def test_the_newest_campaigns_failures_run_first(tmp_path):
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from gpu_summary import last_failed
+    finally:
+        sys.path.pop(0)
+    case = '<testcase classname="tests.unit.test_a" name="test_{}[x]" time="1">{}</testcase>'
+    for name, body in (("h100-2026-11-23", "<failure message='old'/>"), ("h200-2026-11-26", "<failure message='m'/>"),
+                       ("h200-2026-11-27", "")):  # fmt: skip
+        (tmp_path / name).mkdir()
+        xml = f"<testsuites><testsuite>{case.format(name[-2:], body)}{case.format('ok', '')}</testsuite></testsuites>"
+        (tmp_path / name / "gpu-tests.xml").write_text(xml)
+    assert last_failed(tmp_path) == []  # the newest campaign passed everything
+    (tmp_path / "h200-2026-11-27" / "gpu-tests.xml").unlink()
+    failing = case.format("27", "<error message='e'/>")
+    (tmp_path / "h200-2026-11-27" / "gpu-tests-first.xml").write_text(
+        f"<testsuites><testsuite>{failing}</testsuite></testsuites>")
+    assert last_failed(tmp_path) == ["tests/unit/test_a.py::test_27[x]"]
+
+
+def test_summary_reads_the_committed_h200_campaign():
+    """summary.md's figures come from the campaign's JSON: the committed H200 run of 2026-11-27."""
+    out = REPO / "docs" / "benchmarks" / "gpu" / "h200-2026-11-27"
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "gpu_summary.py"), str(out)], capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    train = json.loads((out / "train-llama-1b-compile.json").read_text())
+    ratio = train["tape_over_rope_step_time"]
+    assert ratio > 1.10 and f"| {ratio:.3f}× | ≤ 1.1× | no |" in proc.stdout  # TAPE's step target: missed
+    assert f"| {train['rope']['mfu']:.1%} | ≥ 45% | yes |" in proc.stdout
+    assert "## Tests: 39 passed, 0 failed, 9 skipped" in proc.stdout
 
 
 def test_stages_past_the_budget_are_skipped_and_summarised(tmp_path):
