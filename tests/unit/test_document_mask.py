@@ -15,7 +15,7 @@ from tapetrain.model import positions, randpe
 from tapetrain.model.attention import attention, eager_attention, sdpa_attention
 from tapetrain.model.documents import DocumentMask, document_positions
 from tapetrain.model.randpe import draw_document_positions, draw_positions
-from tests.unit.model_helpers import build, randomize_fire, randomize_tape
+from tests.unit.model_helpers import assert_reference_grads_nonzero, build, randomize_fire, randomize_tape
 
 LAYOUTS = [[7, 12, 5], [10, 14]]  # two rows of 24 tokens: three documents, then two
 PES = ["tape", "rope", "nope", "alibi", "xpos", "fire"]
@@ -73,7 +73,9 @@ def run_separately(model, ids, labels, offset: int = 0):
 
 
 def assert_close_dicts(a: dict, b: dict, atol: float) -> None:
+    """`a` the path under test, `b` the reference (whose every gradient must be non-zero: nothing compared 0 to 0)."""
     assert a.keys() == b.keys()
+    assert_reference_grads_nonzero(b, list(b))
     for name in a:
         torch.testing.assert_close(a[name], b[name], atol=atol, rtol=0, msg=name)
 

@@ -19,6 +19,7 @@ pytest.importorskip("triton")
 from tapetrain.kernels.tape_attention import tape_attention  # noqa: E402
 from tapetrain.model.attention import eager_attention  # noqa: E402
 from tapetrain.model.documents import DocumentMask  # noqa: E402
+from tests.unit.model_helpers import assert_reference_grads_nonzero  # noqa: E402
 from tests.unit.test_document_mask import (  # noqa: E402
     LAYOUTS,
     make_model,
@@ -88,6 +89,7 @@ def test_packed_documents_equal_separate_runs_triton(pe: str):
     torch.testing.assert_close(logits, ref_logits, atol=1e-5, rtol=0)
     torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=0)
     assert g.keys() == ref_g.keys()
+    assert_reference_grads_nonzero(ref_g, list(ref_g))
     for name in g:
         torch.testing.assert_close(g[name], ref_g[name], atol=1e-5, rtol=0, msg=name)
 

@@ -228,3 +228,14 @@ def test_fused_backends_match_plain_on_cuda(backend, verifies):
     assert_reference_grads_nonzero({n: p.grad for n, p in model_p.named_parameters()}, trainable_names(model_p))
     for name, param in model_p.named_parameters():
         assert rel_err(grads[name].grad.float(), param.grad.float()) <= 3e-2, name
+
+
+def test_the_reference_gradient_check_catches_zero_initialised_tape():
+    """The escape of the 2026-11-26 GPU fix: without randomize_tape, TAPE's x_proj/up_proj gradients are exactly 0
+    (W_down starts at 0), so a comparison would pass on 0 against 0. The check names them instead."""
+    model = build("tape", loss_backend="plain").train()
+    _, grads = train_grads(model, TOKENS, masked_labels(TOKENS))
+    with pytest.raises(AssertionError, match=r"tape_mlp\.x_proj"):
+        assert_reference_grads_nonzero(grads, trainable_names(model))
+    allowed = {name: "zero-initialised W_down upstream" for name in grads if "tape" in name}
+    assert_reference_grads_nonzero(grads, trainable_names(model), allowed_zero=allowed)

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from model_helpers import build, randomize_tape
+from model_helpers import assert_reference_grads_nonzero, build, randomize_tape, trainable_names
 
 from tapetrain.model import POSITIONAL_ENCODINGS, KVCache, ModelConfig, Transformer
 from tapetrain.model.attention import attention, eager_attention, sdpa_attention
@@ -53,6 +53,7 @@ def test_sdpa_matches_eager_outputs_and_gradients(pe):
     out_e.loss.backward()
     out_s.loss.backward()
     grads_s = dict(sdpa.named_parameters())
+    assert_reference_grads_nonzero({n: p.grad for n, p in eager.named_parameters()}, trainable_names(eager))
     for name, param in eager.named_parameters():
         torch.testing.assert_close(grads_s[name].grad, param.grad, atol=2e-5, rtol=1e-4, msg=name)
 
@@ -131,6 +132,7 @@ def test_activation_checkpointing_gives_same_gradients():
     plain(TOKENS, labels=TOKENS).loss.backward()
     ckpt(TOKENS, labels=TOKENS).loss.backward()
     other = dict(ckpt.named_parameters())
+    assert_reference_grads_nonzero({n: p.grad for n, p in plain.named_parameters()}, trainable_names(plain))
     for name, param in plain.named_parameters():
         torch.testing.assert_close(other[name].grad, param.grad, atol=1e-6, rtol=1e-5, msg=name)
 

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 import torch
-from model_helpers import build, randomize_tape
+from model_helpers import assert_reference_grads_nonzero, build, randomize_tape, trainable_names
 
 from tapetrain.model import ModelConfig, Transformer, preset_config
 from tapetrain.model.tiling import tile_count
@@ -38,6 +38,7 @@ def test_tiled_mlp_is_exact(pe, checkpointing):
     torch.testing.assert_close(t_logits, logits, atol=1e-6, rtol=0)
     torch.testing.assert_close(t_loss, loss, atol=1e-6, rtol=0)
     assert grads.keys() == t_grads.keys()
+    assert_reference_grads_nonzero(grads, trainable_names(reference))
     for name, grad in grads.items():
         torch.testing.assert_close(t_grads[name], grad, atol=1e-6, rtol=0, msg=name)
 
