@@ -22,6 +22,8 @@ A run is one YAML file with the sections below; `tapetrain train CONFIG.yaml KEY
 key with a dotted name (`train.steps=20`, `data.train=[a, b]`; values are parsed as YAML). Unknown keys are
 errors. A file may start with `base: other.yaml` (or a list of files, paths relative to the file): the bases
 are loaded first and this file's keys are deep-merged over them (mappings merge, other values replace).
+Of two exclusive keys (`optim.warmup_steps` / `optim.warmup_ratio`) a command-line override of one replaces the
+other where a file set it (logged); both set in the files, or both on the command line, is an error.
 `model.preset` fills every model key from a named shape; model keys written next to it override the preset.
 """
 

@@ -7,6 +7,7 @@ mappings merge key by key, anything else (scalars, lists) replaces. Cycles are e
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Iterable
@@ -15,6 +16,12 @@ from typing import Any
 import yaml
 
 from tapetrain.errors import ConfigError
+
+log = logging.getLogger("tapetrain.config")
+
+# Keys of which a config sets at most one. A command-line override of one replaces the other where a file set it
+# (users of Hydra/OmegaConf-style overrides expect that); both from the same source stay an error (config/checks.py).
+EXCLUSIVE_KEYS = (("optim.warmup_steps", "optim.warmup_ratio"),)
 
 BASE_KEY = "base"
 
@@ -181,7 +188,25 @@ def apply_overrides(data: dict, overrides: Iterable[str], locations: dict[str, s
         for known in [k for k in locations if k == key or k.startswith(key + ".")]:
             del locations[known]
         locations[key] = f"override {text!r}"
+        if value is not None:
+            _replace_exclusive_partner(out, key, text, locations)
     return out
+
+
+def _replace_exclusive_partner(data: dict, key: str, text: str, locations: dict[str, str]) -> None:
+    """After override `text` set `key`: null its exclusive partner when a file (not another override) set it."""
+    for pair in EXCLUSIVE_KEYS:
+        if key not in pair:
+            continue
+        other = pair[1 - pair.index(key)]
+        section, _, leaf = other.rpartition(".")
+        node = data.get(section) if isinstance(data.get(section), dict) else None
+        where = locations.get(other, "")
+        if node is None or node.get(leaf) is None or where.startswith("override"):
+            continue
+        log.info("override %s replaces %s=%s%s", text.strip(), other, node[leaf], f" (from {where})" if where else "")
+        node[leaf] = None
+        locations[other] = f"override {text!r}"
 
 
 _LAST_PART = re.compile(r"(\[\d+\]|\.[^.\[\]]*)$")

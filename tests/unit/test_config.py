@@ -624,3 +624,22 @@ def test_reloading_a_seed_run_config_with_another_seed_does_not_nest(tmp_path):
     save_resolved(cfg, str(saved))
     assert load_run_config(str(saved)).run.out_dir == os.path.join("runs/arith", "seed-1")
     assert load_run_config(str(saved), ["run.seed=2"]).run.out_dir == os.path.join("runs/arith", "seed-2")
+
+
+def test_an_override_of_one_exclusive_key_replaces_the_files_other(tmp_path, caplog):
+    """configs/tiny-cpu.yaml sets optim.warmup_ratio; `optim.warmup_steps=0` on the command line replaces it (as
+    Hydra/OmegaConf-style overrides do), with an INFO line. Both keys from the same source stay an error."""
+    import logging
+
+    config = str(Path(__file__).resolve().parents[2] / "configs" / "tiny-cpu.yaml")
+    with caplog.at_level(logging.INFO, logger="tapetrain.config"):
+        cfg = load_run_config(config, ["optim.warmup_steps=0"])
+    assert cfg.optim.warmup_steps == 0 and cfg.optim.warmup_ratio is None
+    (line,) = [r.getMessage() for r in caplog.records if "warmup_ratio" in r.getMessage()]
+    assert "optim.warmup_steps=0" in line and "replaces optim.warmup_ratio=0.1" in line and "tiny-cpu.yaml" in line
+    with pytest.raises(ConfigError, match="both optim.warmup_steps=3 and optim.warmup_ratio=0.2 are set"):
+        load_run_config(config, ["optim.warmup_steps=3", "optim.warmup_ratio=0.2"])  # both on the command line
+    both = tmp_path / "both.yaml"
+    both.write_text(f"base: {config}\noptim:\n  warmup_steps: 2\n")  # the file sets both (with its base)
+    with pytest.raises(ConfigError, match="both optim.warmup_steps=2 and optim.warmup_ratio=0.1 are set"):
+        load_run_config(str(both))
