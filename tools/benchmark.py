@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1, help="sequences per step (default 1)")
     p.add_argument("--docs", type=int, default=8, help="documents per row, random lengths (default 8)")
     _rounds_args(p, "timed rounds of one step per variant")
+    p.add_argument("--max-warmup", type=int, default=bench.MAX_WARMUP_ROUNDS,
+                   help="warm-up goes past --warmup until the mask / no-mask ratio is steady (the last 3 rounds within "
+                        f"5%% of their median), at most this many rounds (default {bench.MAX_WARMUP_ROUNDS})")
     p.add_argument("--pe", default="tape", help="positional encoding (default tape)")
     p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa, ...")
     _alternated_args(p, "override a model config key (repeatable)")
@@ -234,6 +237,7 @@ def _docmask(args: argparse.Namespace) -> int:
         docs=args.docs,
         pairs=args.pairs,
         warmup=args.warmup,
+        max_warmup=args.max_warmup,
         dtype=args.dtype or bench.default_dtype(device),
         pe=args.pe,
         backend=args.backend,

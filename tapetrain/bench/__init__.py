@@ -71,7 +71,7 @@ from tapetrain.bench.engine import (
     run_engine_benchmark,
 )
 from tapetrain.bench.layer import LayerSettings, layer_report, plot_layer, run_layer_benchmark
-from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS
+from tapetrain.bench.pairs import MAX_WARMUP_ROUNDS, MIN_HEADLINE_PAIRS
 from tapetrain.bench.report import format_table, write_json_atomic
 from tapetrain.bench.sp import SpSettings, plot_sp, run_sp_benchmark, sp_report
 from tapetrain.bench.sp import check_settings as check_sp_settings
@@ -103,6 +103,7 @@ __all__ = [
     "ENGINE_TARGET", "EngineSettings", "engine_ds_config", "engine_report", "plot_engine", "run_engine_benchmark",
     "LayerSettings", "layer_report", "plot_layer", "run_layer_benchmark",
     "DataSettings", "data_report", "run_data_benchmark",
-    "MIN_HEADLINE_PAIRS", "SpSettings", "check_sp_settings", "plot_sp", "run_sp_benchmark", "sp_report",
+    "MAX_WARMUP_ROUNDS", "MIN_HEADLINE_PAIRS",
+    "SpSettings", "check_sp_settings", "plot_sp", "run_sp_benchmark", "sp_report",
     "DocmaskSettings", "check_docmask_settings", "docmask_report", "plot_docmask", "run_docmask_benchmark",
 ]  # fmt: skip

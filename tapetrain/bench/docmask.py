@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from tapetrain.bench.common import DTYPES, device_name, pick_device
-from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS, pairs_header, spread
+from tapetrain.bench.pairs import MAX_WARMUP_ROUNDS, MIN_HEADLINE_PAIRS, pairs_header, spread
 from tapetrain.bench.report import format_table, pyplot, save_figure
-from tapetrain.bench.steps import PlainOptimizer, build_model, interleaved_steps, random_batches
+from tapetrain.bench.steps import PlainOptimizer, build_model, interleaved_steps, random_batches, steady_warmup
 
 VARIANTS = ("no_mask", "mask")
 
@@ -34,7 +34,8 @@ class DocmaskSettings:
     batch: int = 1
     docs: int = 8  # documents per row
     pairs: int = MIN_HEADLINE_PAIRS
-    warmup: int = 2  # untimed rounds first
+    warmup: int = 2  # untimed rounds first, at least; more until the ratio is steady (bench.pairs.is_steady)
+    max_warmup: int = MAX_WARMUP_ROUNDS
     dtype: str = "fp32"
     pe: str = "tape"
     backend: str = "auto"
@@ -105,9 +106,11 @@ def run_docmask_benchmark(s: DocmaskSettings, progress: bool = True) -> dict:
     batch = random_batches(steps["mask"].model.cfg.vocab_size, s.batch, s.seq_len, device, 1, s.seed)[0]
     first_loss = {name: step(batch) for name, step in steps.items()}  # the same weights: the mask's own effect
     load_before = os.getloadavg()
-    times, _ = interleaved_steps(steps, [batch], device, s.warmup + s.pairs, progress)
+    warm = steady_warmup(steps, [batch], device, "mask", "no_mask", s.warmup, s.max_warmup)
+    times, _ = interleaved_steps(steps, [batch], device, s.pairs, progress, first_round=warm["rounds"])
     raw = {
-        "times": {name: t[s.warmup :] for name, t in times.items()},
+        "times": times,
+        "warmup": warm,
         "first_loss": first_loss,
         "params": steps["mask"].model.num_params(),
         "n_layers": steps["mask"].model.cfg.n_layers,
@@ -148,7 +151,8 @@ def summarise(s: DocmaskSettings, raw: dict[str, Any]) -> dict[str, Any]:
         "step": "forward + backward + AdamW step (global-norm clipping), plain PyTorch loop",
         "timing": "the two variants alternated step by step in one process, order rotated each round, after "
         "warm-up rounds; pair ratio = step time with the mask / without",
-        **pairs_header(s, s.warmup, s.pairs, headline),
+        **pairs_header(s, raw["warmup"]["rounds"], s.pairs, headline),
+        "warmup_drift": raw["warmup"],
         "results": results,
         "mask_over_no_mask": {
             "pairs": len(ratios),

@@ -13,6 +13,12 @@ import torch
 from tapetrain.bench.common import time_call
 
 MIN_HEADLINE_PAIRS = 10  # fewer measured pairs give no headline ratio
+# Warm-up ends when the last STEADY_WINDOW per-round ratios lie within STEADY_TOLERANCE of their median and of the
+# window before: on the H200 (2026-11-26) three fixed warm-up rounds left the first 7 docmask ratios at 1.27-1.41
+# against a steady 1.13 (and its first three alone, 1.36/1.33/1.29, look flat).
+STEADY_WINDOW = 3
+STEADY_TOLERANCE = 0.05
+MAX_WARMUP_ROUNDS = 40
 
 
 def rotated(items: Sequence[Any], by: int) -> list[Any]:
@@ -39,6 +45,31 @@ def interleaved_times(calls: dict[str, Callable[[], Any]], device: torch.device,
         for name in rotated(names, r):
             times[name] += time_call(calls[name], device, 0, 1)
     return times
+
+
+def is_steady(ratios: Sequence[float], window: int = STEADY_WINDOW, tolerance: float = STEADY_TOLERANCE) -> bool:
+    """The last `window` ratios all within `tolerance` (relative) of their median, and that median within
+    `tolerance` of the median of the `window` before them (so a slow drift is not taken for a plateau)."""
+    if len(ratios) < 2 * window:
+        return False
+    last, before = ratios[-window:], ratios[-2 * window : -window]
+    mid = statistics.median(last)
+    return all(abs(r / mid - 1) <= tolerance for r in last) and abs(mid / statistics.median(before) - 1) <= tolerance
+
+
+def warm_until_steady(run_round: Callable[[int], tuple[float, float]], min_rounds: int,
+                      max_rounds: int = MAX_WARMUP_ROUNDS) -> dict[str, Any]:
+    """Warm-up rounds, each `run_round(r) -> (numerator s, denominator s)`, until at least `min_rounds` ran and the
+    per-round ratio is steady (is_steady), or `max_rounds` ran. The record (for the JSON): rounds, their ratios
+    (the drift) and whether the ratio settled."""
+    ratios: list[float] = []
+    for r in range(max(min_rounds, max_rounds)):
+        num, den = run_round(r)
+        ratios.append(num / den)
+        if len(ratios) >= min_rounds and is_steady(ratios):
+            break
+    return {"rounds": len(ratios), "ratios": ratios, "steady": is_steady(ratios), "window": STEADY_WINDOW,
+            "tolerance": STEADY_TOLERANCE, "max_rounds": max(min_rounds, max_rounds)}
 
 
 def pair_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> dict[str, Any]:

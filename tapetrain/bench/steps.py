@@ -168,14 +168,17 @@ def interleaved_steps(
     device: torch.device,
     rounds: int,
     progress: bool = True,
+    first_round: int = 0,
 ) -> tuple[dict[str, list[float]], dict[str, float]]:
     """`rounds` timed rounds, each running every variant's optimizer step once on the same batch, the order
-    rotated by the round -> ({variant: seconds per round}, {variant: last loss}). Warm each variant up first."""
+    rotated by the round (counted from `first_round`) -> ({variant: seconds per round}, {variant: last loss}).
+    Warm each variant up first."""
     from tapetrain.bench.pairs import rotated
 
     times: dict[str, list[float]] = {name: [] for name in steps}
     losses: dict[str, float] = {}
-    for r in progress_bar(range(rounds), desc="rounds", unit="round", disable=not progress, leave=False):
+    for r in progress_bar(range(first_round, first_round + rounds), desc="rounds", unit="round",
+                          disable=not progress or rounds == 1, leave=False):  # fmt: skip
         batch = batches[r % len(batches)]
         for name in rotated(list(steps), r):
             synchronize(device)
@@ -185,6 +188,20 @@ def interleaved_steps(
             times[name].append(time.perf_counter() - t0)
             losses[name] = float(loss)  # a 0-dim tensor or a float
     return times, losses
+
+
+def steady_warmup(steps: dict[str, Callable[[torch.Tensor], Any]], batches: list[torch.Tensor],
+                  device: torch.device, numerator: str, denominator: str, min_rounds: int,
+                  max_rounds: int) -> dict[str, Any]:
+    """Alternated warm-up rounds until the numerator/denominator step-time ratio is steady (pairs.warm_until_steady);
+    returns its record, for the JSON."""
+    from tapetrain.bench.pairs import warm_until_steady
+
+    def one_round(r: int) -> tuple[float, float]:
+        times, _ = interleaved_steps(steps, batches, device, 1, progress=False, first_round=r)
+        return times[numerator][0], times[denominator][0]
+
+    return warm_until_steady(one_round, min_rounds, max_rounds)
 
 
 def plain_step(model: torch.nn.Module, opt: PlainOptimizer) -> Callable[[torch.Tensor], torch.Tensor]:

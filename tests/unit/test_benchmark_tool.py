@@ -255,3 +255,19 @@ def test_interleaved_rounds_rotate_the_order() -> None:
     assert ratio["median"] == 3.0 and (ratio["min"], ratio["max"]) == (2.0, 4.0)
     assert ratio["pairs"] == 3 and not ratio["headline"]
     assert pair_ratios([1.0] * 10, [1.0] * 10)["headline"]
+
+
+def test_warm_up_runs_until_the_ratio_is_steady() -> None:
+    """A drifting start (the H200's first docmask ratios, 1.27-1.41 before a steady 1.13) keeps the warm-up going;
+    it stops at the first round whose last three ratios are within 5% of their median, never before the minimum,
+    and gives up at the maximum saying the ratio never settled."""
+    from tapetrain.bench.pairs import is_steady, warm_until_steady
+
+    drift = [1.36, 1.33, 1.29, 1.27, 1.41, 1.41, 1.28, 1.13, 1.12, 1.14, 1.13, 1.13]
+    record = warm_until_steady(lambda r: (drift[r], 1.0), min_rounds=3, max_rounds=20)
+    assert record["rounds"] == 12 and record["steady"] and record["ratios"] == drift  # not at 1.36/1.33/1.29
+    assert not any(is_steady(drift[:n]) for n in range(1, 12))
+    assert warm_until_steady(lambda r: (1.2, 1.0), min_rounds=8, max_rounds=12)["rounds"] == 8
+    wild = warm_until_steady(lambda r: (1.0 + (r % 2) * 0.3, 1.0), min_rounds=2, max_rounds=7)
+    assert wild["rounds"] == 7 and not wild["steady"]
+    assert not is_steady([1.0, 1.2]) and is_steady([1.0, 1.01, 0.99, 1.0, 1.02, 0.99])
