@@ -205,7 +205,7 @@ def read_run_model_config(run_dir_or_ckpt: str, step: int | None = None) -> Mode
 
 
 def run_tokenizer(run_dir_or_ckpt: str, step: int | None = None) -> str | None:
-    """The sentencepiece model a run was trained with (its config's data.tokenizer), without reading weights."""
+    """The tokenizer file a run was trained with (its config's data.tokenizer), without reading weights."""
     ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step, verify=False)
     return _tokenizer_path(_read_run_config(run_dir, ckpt), run_dir)
 

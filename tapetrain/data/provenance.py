@@ -43,7 +43,7 @@ def common_tokenizer(paths: list[str], tokenizer_file: str | None = None, what: 
     sha = next(iter(shas)) if shas else None
     if tokenizer_file:
         if not os.path.isfile(tokenizer_file):
-            raise DataError(f"{what}={tokenizer_file} does not exist; point it at the sentencepiece .model the shards "
+            raise DataError(f"{what}={tokenizer_file} does not exist; point it at the tokenizer file the shards "
                             f"were prepared with{_hint(known)}, or set it to null")
         file_sha = file_sha256(tokenizer_file)
         if sha is not None and file_sha != sha:

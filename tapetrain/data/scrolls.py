@@ -184,9 +184,9 @@ class PromptBuilder:
 def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, out_dir: str, seq_len: int = 8192,
                        max_answer_tokens: int | None = None, overwrite: bool = False, progress: bool = True) -> dict:
     """`tapetrain data scrolls`: one training example per record, in an example store with a copy of the tokenizer."""
-    from tapetrain.data.tokenizer import Tokenizer
+    from tapetrain.data.tokenizer import open_tokenizer
 
-    tok = Tokenizer(tokenizer_path)
+    tok = open_tokenizer(tokenizer_path)
     builder = PromptBuilder(task, tok, seq_len, max_answer_tokens)
     sources = expand_inputs(inputs)  # bad globs fail before anything is written
     start = time.perf_counter()
