@@ -52,6 +52,7 @@ from tapetrain.progress import progress as progress_bar
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128Mi tokens: 256 MiB per uint16 shard
+TOKENIZER_COPY = "tokenizer"  # the directory of a dataset (and of a run) that holds a copy of its tokenizer
 CHUNK_DOCS = 512  # documents per worker task ...
 CHUNK_CHARS = 1 << 20  # ... or fewer if they already hold this many characters
 
@@ -339,10 +340,15 @@ def prepare(
     except BaseException:  # bad input, Ctrl-C, worker crash: out_dir was never touched; drop the work dir
         shutil.rmtree(work, ignore_errors=True)
         raise
+    # A copy of the tokenizer travels with the shards: a run adopts it even where `tok.path` does not exist.
+    os.makedirs(os.path.join(work, TOKENIZER_COPY), exist_ok=True)
+    for path in tok.files:
+        shutil.copyfile(path, os.path.join(work, TOKENIZER_COPY, os.path.basename(path)))
     manifest = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,
-        "tokenizer": {"path": tok.path, "sha256": tok.checksum, "kind": tok.kind},
+        "tokenizer": {"path": tok.path, "sha256": tok.checksum, "kind": tok.kind,
+                      "copy": f"{TOKENIZER_COPY}/{os.path.basename(tok.path)}"},
         "vocab_size": tok.vocab_size,
         "dtype": dtype,
         "bos_id": tok.bos_id,

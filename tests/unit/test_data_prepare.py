@@ -58,7 +58,7 @@ def test_tokenizer_ids_roundtrip_and_checksum(corpus):
 
 
 def test_tokenizer_errors(tmp_path, corpus):
-    with pytest.raises(DataError, match="does not exist; train one with `tapetrain data tokenizer"):
+    with pytest.raises(DataError, match="does not exist; pass a sentencepiece .model, a Hugging Face tokenizer.json"):
         Tokenizer(str(tmp_path / "missing.model"))
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(DataError, match="is not a sentencepiece model"):
