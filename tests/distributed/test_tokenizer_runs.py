@@ -1,4 +1,4 @@
-"""A run that continues a (tiny, random) Llama-3-style Hugging Face checkpoint with its own byte-level BPE
+"""A run that continues a (tiny, random) Llama-3- or Qwen3-style Hugging Face checkpoint with its own byte-level BPE
 tokenizer.json: prepare with the checkpoint directory as --tokenizer, train with model.init_from and no
 data.tokenizer, move the run and the data, then export / compare / eval from `/`. Real launcher runs."""
 
@@ -23,21 +23,26 @@ def tapetrain(*args: str, cwd: str = "/") -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=e, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def llama3(tmp_path_factory):
-    """A Llama-3-style checkpoint directory: weights, config.json, tokenizer.json and tokenizer_config.json."""
-    root = tmp_path_factory.mktemp("llama3")
-    write_bpe_tokenizer(root / "ckpt", "llama3")
-    tiny_hf_model("llama3", vocab_size=512).save_pretrained(root / "ckpt")
+def checkpoint(root, family: str, style: str):
+    """A checkpoint directory: weights, config.json, tokenizer.json and tokenizer_config.json; and a corpus."""
+    write_bpe_tokenizer(root / "ckpt", style)
+    tiny_hf_model(family, vocab_size=512, max_position_embeddings=128).save_pretrained(root / "ckpt")
     corpus = root / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": f"{TEXT} Document {i} is here and there."}) + "\n"
                               for i in range(300)))
     return root
 
 
-def test_continued_checkpoint_keeps_its_tokenizer_and_the_run_travels(llama3, tmp_path):
-    ckpt = llama3 / "ckpt"
-    proc = tapetrain("data", "prepare", "--input", str(llama3 / "corpus.jsonl"), "--tokenizer", str(ckpt),
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    return checkpoint(tmp_path_factory.mktemp("llama3"), "llama3", "llama3")
+
+
+@pytest.mark.parametrize("family,style", [("llama3", "llama3"), ("qwen3", "qwen")])
+def test_continued_checkpoint_keeps_its_tokenizer_and_the_run_travels(tmp_path, family, style):
+    source = checkpoint(tmp_path / "source", family, style)  # Qwen: no BOS, EOS <|endoftext|>
+    ckpt = source / "ckpt"
+    proc = tapetrain("data", "prepare", "--input", str(source / "corpus.jsonl"), "--tokenizer", str(ckpt),
                      "--out", str(tmp_path / "data"))
     assert proc.returncode == 0, proc.stderr
     cfg = write_config(tmp_path / "c.yaml", tmp_path / "data", tmp_path / "run",
@@ -56,7 +61,6 @@ def test_continued_checkpoint_keeps_its_tokenizer_and_the_run_travels(llama3, tm
     moved.mkdir()
     shutil.move(tmp_path / "run", moved / "run")
     shutil.move(tmp_path / "data", moved / "data")
-    shutil.rmtree(ckpt.parent / "unused", ignore_errors=True)
     export = moved / "hf"
     proc = tapetrain("export", "hf", str(moved / "run"), "--out", str(export))
     assert proc.returncode == 0, proc.stderr
@@ -70,7 +74,7 @@ def test_continued_checkpoint_keeps_its_tokenizer_and_the_run_travels(llama3, tm
     ours = open_tokenizer(str(ckpt))
     hf_tok = AutoTokenizer.from_pretrained(str(export))
     ids = hf_tok(TEXT, return_tensors="pt").input_ids
-    assert ids[0].tolist() == [ours.bos_id, *ours.encode(TEXT)]  # Llama-3: BOS first
+    assert ids[0].tolist() == [ours.bos_id] * (ours.bos_id >= 0) + ours.encode(TEXT)  # Llama-3: BOS first
     model = AutoModelForCausalLM.from_pretrained(str(export))
     out = model.generate(ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 5 and isinstance(hf_tok.decode(out[0]), str)
