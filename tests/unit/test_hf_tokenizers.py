@@ -121,3 +121,21 @@ def test_an_export_without_a_tokenizer_names_the_option(tmp_path):
     export_model(build("rope"), str(tmp_path / "bare"))
     assert main(["eval", "passkey", str(tmp_path / "bare"), "--protocol", "tapetrain", "--lengths", "128",
                  "--trials", "1"]) == 1
+
+
+def test_scrolls_data_with_a_tokenizer_json_keeps_it_and_starts_without_bos(toks, tmp_path):
+    from tapetrain.data.examples import ExampleStore, tokenizer_of
+    from tapetrain.data.scrolls import PromptBuilder, write_scrolls_data
+    from tapetrain.data.tokenizer import open_tokenizer
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "scrolls" / "qasper.jsonl"
+    write_scrolls_data("qasper", str(fixture), str(toks["qwen"].parent), str(tmp_path / "s"), seq_len=256,
+                       max_answer_tokens=16, progress=False)
+    tok = open_tokenizer(str(toks["qwen"]))
+    kept = tokenizer_of(str(tmp_path / "s"))
+    assert kept == str(tmp_path / "s" / "tokenizer.json") and open_tokenizer(kept).checksum == tok.checksum
+    assert open_tokenizer(kept).eos_id == tok.eos_id  # its tokenizer_config.json came along
+    row = json.loads(fixture.read_text().splitlines()[0])
+    ids, prompt_len = ExampleStore(str(tmp_path / "s")).example(0)
+    assert ids[:prompt_len].tolist() == PromptBuilder("qasper", tok, 256, 16).prompt(row["input"])[0]
+    assert ids[0] != tok.bos_id and ids[-1] == tok.eos_id
