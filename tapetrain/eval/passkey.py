@@ -339,7 +339,8 @@ def resolve_passkey_args(protocol: str, lengths, seed, max_tokens, interval, dep
 
 
 def load_tokenizer(model: EvalModel, path: str | None):
-    """The sentencepiece tokenizer `path` (default: the model's), checked against the model's vocabulary."""
+    """The tokenizer `path` (a .model, tokenizer.json or model directory; default: the model's), checked against
+    the model's vocabulary."""
     from tapetrain.data.tokenizer import open_tokenizer
 
     path = path or model.tokenizer
