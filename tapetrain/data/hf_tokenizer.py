@@ -92,8 +92,10 @@ class HFTokenizer:
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str], num_threads: int = 1) -> list[list[int]]:
-        """Batch encode. The tokenizers library parallelises by itself (TOKENIZERS_PARALLELISM); prepare's worker
-        processes turn that off so that each keeps to one core, as with sentencepiece."""
+        """Batch encode; num_threads=1 keeps to one core (one per prepare worker, as with sentencepiece): the
+        library's batch call would spread over every core by itself."""
+        if num_threads == 1:
+            return [self._tok.encode(t, add_special_tokens=False).ids for t in texts]
         return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
