@@ -113,6 +113,11 @@ def test_passkey_and_compare_on_an_export_with_a_tokenizer_json(exports, toks, t
                  "--out", str(tmp_path / "cmp")]) == 0
     summary = json.loads((tmp_path / "cmp" / "summary.json").read_text())
     assert summary["options"]["tokenizer"] == str(toks[kind].parent)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join([TEXT] * 30))
+    assert main(["eval", "ppl", str(export), "--data", str(text), "--lengths", "64",
+                 "--out", str(tmp_path / "ppl.json")]) == 0  # text tokenized with the export's tokenizer.json
+    assert json.loads((tmp_path / "ppl.json").read_text())["results"][0]["ppl"] > 1
 
 
 def test_an_export_without_a_tokenizer_names_the_option(tmp_path):
