@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also read the dataset over HTTP on 127.0.0.1 with this latency per request (e.g. 50): "
                         "cold and warm shard cache")
     p.add_argument("--remote-shard-tokens", type=int, default=1 << 20, help="tokens per shard of the remote dataset")
+    p.add_argument("--tokenizers", default="sentencepiece",
+                   help="prepare with these, comma-separated: sentencepiece (a BPE .model), bpe (a byte-level BPE "
+                        "tokenizer.json, as Llama-3 / Qwen ship); both are trained on the corpus with --vocab ids")
     return parser
 
 
@@ -265,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             micro_batch=args.micro_batch,
             seconds=args.seconds,
             remote_latency_ms=args.remote_latency_ms,
+            tokenizers=args.tokenizers.split(","),
             remote_shard_tokens=args.remote_shard_tokens,
         )
         result = bench.run_data_benchmark(settings)

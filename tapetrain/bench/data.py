@@ -36,6 +36,8 @@ class DataSettings:
     seconds: float = 4.0
     remote_latency_ms: float | None = None  # also time the reader over HTTP with this latency per request
     remote_shard_tokens: int = 1 << 20
+    # prepare with: "sentencepiece" (BPE .model) and/or "bpe" (byte-level BPE tokenizer.json, as Llama-3 / Qwen)
+    tokenizers: list[str] = field(default_factory=lambda: ["sentencepiece"])
 
 
 def make_corpus(path: str, megabytes: float, seed: int = 0) -> int:
@@ -55,6 +57,29 @@ def make_corpus(path: str, megabytes: float, seed: int = 0) -> int:
             written += len(line)
             docs += 1
     return docs
+
+
+def train_byte_level_bpe(corpus: str, vocab: int, out_dir: str) -> str:
+    """A byte-level BPE tokenizer.json (GPT-2 pre-tokenizer, as Llama-3 / Qwen) of `vocab` ids trained on the
+    corpus's texts, with a tokenizer_config.json naming its EOS; returns the tokenizer.json path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    def texts():
+        with open(corpus, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["text"]
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts(), trainer=trainer)
+    os.makedirs(out_dir, exist_ok=True)
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": None, "eos_token": "<|endoftext|>"}, f)
+    return os.path.join(out_dir, "tokenizer.json")
 
 
 def write_synthetic_dataset(out_dir: str, template: dict, num_tokens: int, shard_tokens: int) -> None:
@@ -150,20 +175,25 @@ def run_data_benchmark(s: DataSettings) -> dict:
     try:
         corpus = os.path.join(work, "corpus.jsonl")
         result["documents"] = make_corpus(corpus, s.corpus_mb)
-        t0 = time.perf_counter()
-        tok = train_tokenizer([corpus], s.vocab, os.path.join(work, "tok.model"), max_sentences=200_000)
-        result["tokenizer_train_s"] = time.perf_counter() - t0
-        result["prepare"] = []
-        for workers in (1, 2):
+        result["prepare"], identical = [], []
+        for kind in s.tokenizers:
             t0 = time.perf_counter()
-            manifest = prepare([corpus], tok, os.path.join(work, f"prep_w{workers}"), workers=workers,
-                               overwrite=True, progress=False)
-            dt = time.perf_counter() - t0
-            result["prepare"].append({"workers": workers, "seconds": dt, "tokens": manifest["num_tokens"],
-                                      "tokens_per_s": manifest["num_tokens"] / dt,
-                                      "docs_per_s": manifest["num_documents"] / dt, "mb_per_s": s.corpus_mb / dt})
-        result["prepare_identical_1_vs_2_workers"] = _same_files(
-            os.path.join(work, "prep_w1"), os.path.join(work, "prep_w2"), manifest["splits"]["train"]["shards"])
+            if kind == "bpe":
+                tok = train_byte_level_bpe(corpus, s.vocab, os.path.join(work, "bpe"))
+            else:
+                tok = train_tokenizer([corpus], s.vocab, os.path.join(work, "tok.model"), max_sentences=200_000)
+            result.setdefault("tokenizer_train_s", time.perf_counter() - t0)
+            for workers in (1, 2):
+                t0 = time.perf_counter()
+                manifest = prepare([corpus], tok, os.path.join(work, f"prep_{kind}_w{workers}"), workers=workers,
+                                   overwrite=True, progress=False)
+                dt = time.perf_counter() - t0
+                result["prepare"].append({"tokenizer": kind, "workers": workers, "seconds": dt,
+                                          "tokens": manifest["num_tokens"], "tokens_per_s": manifest["num_tokens"] / dt,
+                                          "docs_per_s": manifest["num_documents"] / dt, "mb_per_s": s.corpus_mb / dt})
+            identical.append(_same_files(os.path.join(work, f"prep_{kind}_w1"), os.path.join(work, f"prep_{kind}_w2"),
+                                         manifest["splits"]["train"]["shards"]))
+        result["prepare_identical_1_vs_2_workers"] = all(identical)
         synth = os.path.join(work, "synthetic")
         write_synthetic_dataset(synth, manifest, s.reader_tokens, shard_tokens=s.reader_tokens // 4 + 1)
         result["reader"] = [bench_reader(synth, n, s.micro_batch, s.seconds) for n in s.seq_lens]
@@ -180,8 +210,9 @@ def run_data_benchmark(s: DataSettings) -> dict:
 
 def data_report(r: dict) -> str:
     prepare = format_table(
-        ["workers", "seconds", "M tok/s", "docs/s", "MB/s"],
-        [[p["workers"], p["seconds"], p["tokens_per_s"] / 1e6, p["docs_per_s"], p["mb_per_s"]] for p in r["prepare"]])
+        ["tokenizer", "workers", "seconds", "M tok/s", "docs/s", "MB/s"],
+        [[p.get("tokenizer", "sentencepiece"), p["workers"], p["seconds"], p["tokens_per_s"] / 1e6, p["docs_per_s"],
+          p["mb_per_s"]] for p in r["prepare"]])
     reader = format_table(
         ["seq_len", "open s", "M tok/s", "samples/s"],
         [[x["seq_len"], x["open_s"], x["tokens_per_s"] / 1e6, x["samples_per_s"]] for x in r["reader"]])

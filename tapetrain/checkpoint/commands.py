@@ -29,7 +29,8 @@ def export_hf(run_dir: str, out: str, step: int | None = None, dtype: Literal["f
         out: output directory (written atomically)
         step: checkpoint step (default: newest complete one)
         dtype: weight dtype
-        tokenizer: sentencepiece .model (default: the run's data.tokenizer)
+        tokenizer: a sentencepiece .model, a tokenizer.json or a model directory (default: the run's
+            data.tokenizer)
         max_shard_size: largest safetensors shard, e.g. 5GB or 500MB
         verify: reload the export with transformers and compare logits (--no-verify skips it)
         overwrite: replace OUT if it holds an earlier export

@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from tapetrain.checkpoint.export_tokenizer import special_token_ids, write_tokenizer
 from tapetrain.checkpoint.hf_families import HF_CLASSES, hf_rope_parameters
 from tapetrain.checkpoint.hf_keys import to_hf_state_dict
 from tapetrain.checkpoint.hf_modeling import AUTO_MAP, HERE, MODELING_FILES
-from tapetrain.errors import InputError, MissingInputError
+from tapetrain.errors import InputError
 from tapetrain.file_modes import use_umask_mode
 from tapetrain.model import ModelConfig, Transformer
 
@@ -30,11 +31,6 @@ log = logging.getLogger("tapetrain.checkpoint")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 VERIFY_TOLERANCE = 1e-4  # max |Δlogits| in fp32, relative to max(1, max |logits|)
-# Tokenizer probe: transformers' conversion of the sentencepiece model must encode these exactly as sentencepiece.
-TOKENIZER_PROBES = (
-    "The grass is green. The sky is blue. The pass key is 43121. Remember it.",
-    "Hello, world!\nNumbers 0123456789 and punctuation: (a) [b] {c}; e.g. 3.14 -- done.",
-)
 
 
 def parse_size(size: int | str) -> int:
@@ -151,68 +147,6 @@ def write_safetensors(state: dict[str, torch.Tensor], out_dir: Path, max_shard_s
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
     return [*names, "model.safetensors.index.json"]
-
-
-def special_token_ids(tokenizer: str | None) -> tuple[int | None, int | None]:
-    if not tokenizer or not os.path.isfile(tokenizer):
-        return None, None
-    import sentencepiece as spm
-
-    sp = spm.SentencePieceProcessor(model_file=tokenizer)
-    return (sp.bos_id() if sp.bos_id() >= 0 else None), (sp.eos_id() if sp.eos_id() >= 0 else None)
-
-
-def write_tokenizer(tokenizer: str | None, out_dir: Path, max_seq_len: int) -> dict:
-    """tokenizer.model (the sentencepiece model) + tokenizer_config.json + tokenizer.json for AutoTokenizer.
-
-    transformers 5 loads a sentencepiece model as a tokenizers-backed LlamaTokenizer (BPE + byte fallback);
-    the probe texts check that it encodes exactly like sentencepiece. If it cannot, only tokenizer.model is kept
-    (status 'copied-only'). Known difference: text *starting* with a space (sentencepiece adds a second '▁').
-    """
-    if not tokenizer:
-        return {"status": "none", "reason": "no tokenizer: the run config has no data.tokenizer and none was given"}
-    if not os.path.isfile(tokenizer):
-        raise MissingInputError(f"tokenizer {tokenizer} does not exist; pass --tokenizer PATH (the run's "
-                                "sentencepiece .model)")
-    import sentencepiece as spm
-
-    shutil.copyfile(tokenizer, out_dir / "tokenizer.model")
-    sp = spm.SentencePieceProcessor(model_file=tokenizer)
-
-    def piece(i: int) -> str | None:
-        return sp.id_to_piece(i) if i >= 0 else None
-
-    config = {
-        "tokenizer_class": "LlamaTokenizer",
-        "unk_token": piece(sp.unk_id()),
-        "bos_token": piece(sp.bos_id()),
-        "eos_token": piece(sp.eos_id()),
-        "add_bos_token": sp.bos_id() >= 0,
-        "add_eos_token": False,
-        "add_prefix_space": True,
-        "legacy": False,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": max_seq_len,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    try:
-        from transformers import AutoTokenizer
-
-        # trust_remote_code: the directory holds our own just-written modeling code (config.json auto_map)
-        hf_tok = AutoTokenizer.from_pretrained(str(out_dir), trust_remote_code=True)
-        hf_tok.save_pretrained(str(out_dir))  # adds tokenizer.json: later loads need no conversion
-        mismatches = [t for t in TOKENIZER_PROBES if hf_tok(t, add_special_tokens=False)["input_ids"] != sp.encode(t)]
-    except Exception as err:  # noqa: BLE001 - any failure means: not loadable, keep the .model only
-        mismatches, failure = None, f"{type(err).__name__}: {err}"
-    else:
-        failure = None if not mismatches else f"encodes {len(mismatches)} probe text(s) differently"
-    if failure:
-        for name in ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json"):
-            (out_dir / name).unlink(missing_ok=True)
-        log.warning("tokenizer: transformers cannot reproduce %s (%s); only tokenizer.model was exported",
-                    tokenizer, failure)
-        return {"status": "copied-only", "source": tokenizer, "reason": failure}
-    return {"status": "loadable", "source": tokenizer, "class": type(hf_tok).__name__}
 
 
 def verify_export(out_dir: Path, model: Transformer, dtype: str) -> dict:

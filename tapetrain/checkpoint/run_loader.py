@@ -170,7 +170,11 @@ def _tokenizer_path(run_config: dict | None, run_dir: Path | None) -> str | None
     path = ((run_config or {}).get("data") or {}).get("tokenizer")
     if not path:
         return None
-    for candidate in (Path(path), (run_dir or Path(".")) / path):
+    # As written; relative to the run directory; the run's own copy (tokenizer/) after the run directory moved.
+    candidates = [Path(path), (run_dir or Path(".")) / path]
+    if run_dir is not None:
+        candidates.append(run_dir / "tokenizer" / Path(path).name)
+    for candidate in candidates:
         if candidate.is_file():
             return str(candidate.resolve())
     return path  # configured but not found here: callers report it
@@ -205,7 +209,7 @@ def read_run_model_config(run_dir_or_ckpt: str, step: int | None = None) -> Mode
 
 
 def run_tokenizer(run_dir_or_ckpt: str, step: int | None = None) -> str | None:
-    """The sentencepiece model a run was trained with (its config's data.tokenizer), without reading weights."""
+    """The tokenizer file a run was trained with (its config's data.tokenizer), without reading weights."""
     ckpt, run_dir = resolve_checkpoint(run_dir_or_ckpt, step, verify=False)
     return _tokenizer_path(_read_run_config(run_dir, ckpt), run_dir)
 

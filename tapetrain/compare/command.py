@@ -46,6 +46,7 @@ def run_compare(
     lengths: list[int] | None = None,
     labels: list[str] | None = None,
     data: str | None = None,
+    tokenizer: str | None = None,
     split: Literal["val", "train"] | None = None,
     max_tokens: int | None = None,
     protocol: Literal["nonoverlap", "sliding", "longlora"] = "nonoverlap",
@@ -81,6 +82,8 @@ def run_compare(
         lengths: context lengths of every evaluation (default 1024,2048,4096,8192)
         labels: model names in the tables (default: the directory names)
         data: ppl: eval tokens (a `tapetrain data prepare` directory, a flat .bin or text), the same for every model
+        tokenizer: ppl on text data and needle prompts: the tokenizer of every model (a sentencepiece .model, a
+            tokenizer.json or a model directory; default each model's own: its export's, its run's)
         split: ppl: the shard directory's split (default val)
         max_tokens: ppl: evaluate the first N tokens of the data only
         protocol: ppl: window protocol (token-weighted ones only, so that windows can be resampled)
@@ -115,7 +118,7 @@ def run_compare(
     evaluations = parse_suite(suite)
     options = CompareOptions(
         lengths=sorted(set(lengths or DEFAULT_LENGTHS)), seed=seed, dtype=dtype, resamples=resamples, data=data,
-        split=split, max_tokens=max_tokens, protocol=protocol, stride=stride,
+        tokenizer=tokenizer, split=split, max_tokens=max_tokens, protocol=protocol, stride=stride,
         needle_lengths=sorted(set(needle_lengths)) if needle_lengths else None,
         depths=sorted(set(depths if depths is not None else DEFAULT_DEPTHS)), trials=trials,
         ruler_lengths=sorted(set(ruler_lengths)) if ruler_lengths else None, ruler_tasks=ruler_tasks,

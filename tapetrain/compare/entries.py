@@ -55,13 +55,15 @@ class ModelRun:
         return {"kind": "hf", "path": str(root), "config_sha256": config, "weights": weights}
 
     def tokenizer(self) -> str | None:
-        """The sentencepiece model of this model (an export's tokenizer.model, a run's data.tokenizer), if known."""
+        """The tokenizer file of this model (an export's tokenizer.model or tokenizer.json, a run's
+        data.tokenizer), if known."""
         if self.kind == "run":
             from tapetrain.checkpoint.run_loader import run_tokenizer
 
             return run_tokenizer(self.path)
-        path = Path(self.path) / "tokenizer.model"
-        return str(path) if path.is_file() else None
+        from tapetrain.data.tokenizer import tokenizer_in
+
+        return tokenizer_in(self.path)
 
     def run_dir(self) -> Path | None:
         """The training run behind this model, when it is here: the run directory itself, or the run an export

@@ -27,6 +27,7 @@ class CompareOptions:
     seed: int = 0
     dtype: str = "fp32"
     resamples: int = 1000
+    tokenizer: str | None = None  # for every model instead of its own (text data, needle prompts)
     # ppl
     data: str | None = None
     split: str | None = None
@@ -45,6 +46,16 @@ class CompareOptions:
     ruler_samples: int = 100
     ruler_batch_size: int = 1
     ruler_max_new_tokens: int | None = None
+
+
+def tokenizer_setting(options: CompareOptions) -> dict:
+    """--tokenizer in a result's settings (by content, so a cached result is reused only with the same one)."""
+    if not options.tokenizer:
+        return {}
+    from tapetrain.data.tokenizer import resolve_tokenizer_file
+    from tapetrain.eval.models import _file_sha256
+
+    return {"tokenizer_sha256": _file_sha256(resolve_tokenizer_file(options.tokenizer))}
 
 
 @dataclass
@@ -96,7 +107,7 @@ class Perplexity(Evaluation):
 
         return {"lengths": options.lengths, "data": data_identity(options.data), "split": options.split,
                 "max_tokens": options.max_tokens, "protocol": options.protocol, "stride": options.stride,
-                "dtype": options.dtype}
+                "dtype": options.dtype, **tokenizer_setting(options)}
 
     def check(self, options: CompareOptions, entries: list[ModelEntry]) -> None:
         from tapetrain.errors import MissingInputError
@@ -122,7 +133,8 @@ class Perplexity(Evaluation):
         from tapetrain.eval.ppl import open_model_tokens, ppl_report
 
         model = handle.model()
-        tokens = open_model_tokens(model, options.data, split=options.split, max_tokens=options.max_tokens)
+        tokens = open_model_tokens(model, options.data, tokenizer=options.tokenizer, split=options.split,
+                                   max_tokens=options.max_tokens)
         check_data_lengths(tokens, options, handle.run.key)
         return ppl_report(model, tokens, options.lengths, options.protocol, stride=options.stride,
                           batch_size=options.ppl_batch_size, ranks=ranks, max_tokens=options.max_tokens)
@@ -161,21 +173,21 @@ class Needle(Evaluation):
 
     def settings(self, options: CompareOptions) -> dict:
         return {"lengths": self.lengths(options), "depths": options.depths, "trials": options.trials,
-                "seed": options.seed, "dtype": options.dtype, "protocol": "tapetrain"}
+                "seed": options.seed, "dtype": options.dtype, "protocol": "tapetrain", **tokenizer_setting(options)}
 
     def check(self, options: CompareOptions, entries: list[ModelEntry]) -> None:
-        from tapetrain.data.tokenizer import Tokenizer
+        from tapetrain.data.tokenizer import open_tokenizer
         from tapetrain.eval.passkey import build_prompt, check_depths
 
         check_depths(options.depths)
         if options.trials < 1:
             raise InputError(f"--trials must be >= 1, got {options.trials}")
         shortest = min(self.lengths(options))
-        for path, label in {r.tokenizer(): r.key for e in entries for r in e.runs}.items():
+        for path, label in {options.tokenizer or r.tokenizer(): r.key for e in entries for r in e.runs}.items():
             if path is None or not os.path.isfile(path):
                 continue  # said when the model loads
             try:
-                build_prompt(Tokenizer(path), shortest, options.seed, 0, 0.0)
+                build_prompt(open_tokenizer(path), shortest, options.seed, 0, 0.0)
             except InputError as err:
                 raise InputError(f"needle, {label}: {err} (--needle-lengths sets the needle grid's lengths apart "
                                  "from --lengths)") from err
@@ -184,7 +196,8 @@ class Needle(Evaluation):
         from tapetrain.eval.passkey import load_tokenizer, passkey_report
 
         model = handle.model()
-        return passkey_report(model, load_tokenizer(model, None), "tapetrain", lengths=self.lengths(options),
+        tok = load_tokenizer(model, options.tokenizer)
+        return passkey_report(model, tok, "tapetrain", lengths=self.lengths(options),
                               trials=options.trials, seed=options.seed, depths=options.depths,
                               batch_size=options.needle_batch_size, ranks=ranks)
 

@@ -184,6 +184,29 @@ def place_seed_run(cfg: RunConfig, overrides: list[str]) -> RunConfig:
     return replace(cfg, run=replace(cfg.run, out_dir=out_dir, name=name))
 
 
+def _absolute(path: str | None) -> str | None:
+    from tapetrain.data.remote import is_remote
+
+    return path if not path or is_remote(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def with_absolute_paths(cfg: RunConfig) -> RunConfig:
+    """cfg with its local paths absolute (as the run resolves them from its working directory), so that the run
+    directory's config.yaml means the same from any working directory."""
+    data = dataclasses.replace(
+        cfg.data,
+        train=[dataclasses.replace(s, path=_absolute(s.path)) for s in cfg.data.train],
+        val=[dataclasses.replace(s, path=_absolute(s.path)) for s in cfg.data.val],
+        tokenizer=_absolute(cfg.data.tokenizer),
+        cache_dir=_absolute(cfg.data.cache_dir),
+    )
+    init_from = cfg.model.init_from
+    if init_from and os.path.exists(init_from):  # else a name the loader resolves (kept as written)
+        init_from = os.path.abspath(init_from)
+    return dataclasses.replace(cfg, data=data, run=dataclasses.replace(cfg.run, out_dir=_absolute(cfg.run.out_dir)),
+                               model=dataclasses.replace(cfg.model, init_from=init_from))
+
+
 def dump_run_config(cfg: RunConfig) -> str:
     """The config as YAML text (every key explicit)."""
     header = "# Resolved tapetrain run config (generated; load with tapetrain.config.load_run_config).\n"

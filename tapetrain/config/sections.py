@@ -103,7 +103,9 @@ class DataSection:
     )
     seq_len: int | None = option(None, "Tokens per training sequence (null = model.max_seq_len).")
     tokenizer: str | None = option(
-        None, "SentencePiece model used to write the shards; checked against the shard manifest if given."
+        None, "Tokenizer the shards were written with: a sentencepiece .model, a tokenizer.json or a model "
+        "directory; checked against the shard manifest (sha256). null = model.init_from's tokenizer if it has one, "
+        "else the one the training data's manifest names. The run directory keeps a copy (tokenizer/)."
     )
     num_workers: int = option(1, "Background reader workers per rank (0 = read in the training process).")
     cache_dir: str | None = option(

@@ -1,4 +1,5 @@
-"""Data layer: sentencepiece tokenizer, corpus readers, `prepare` into token shards, and the training reader.
+"""Data layer: tokenizers (sentencepiece, Hugging Face tokenizer.json), corpus readers, `prepare` into token
+shards, and the training reader.
 
 Exports are resolved lazily so `tapetrain data prepare` does not import torch.
 """
@@ -18,8 +19,10 @@ _EXPORTS = {
     "MixedDataset": "tapetrain.data.mixture",
     "PackedDataset": "tapetrain.data.packed",
     "SupervisedDataset": "tapetrain.data.supervised",
+    "HFTokenizer": "tapetrain.data.hf_tokenizer",
     "Tokenizer": "tapetrain.data.tokenizer",
     "open_dataset": "tapetrain.data.stream",
+    "open_tokenizer": "tapetrain.data.tokenizer",
     "train_tokenizer": "tapetrain.data.tokenizer",
 }
 

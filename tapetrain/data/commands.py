@@ -35,7 +35,8 @@ def prepare(input: list[str], tokenizer: str, out: str, text_key: str = "text", 
     Args:
         input: the corpus: .jsonl/.json/.txt globs (also .gz, e.g. C4's c4-*.json.gz; .jsonl.zst),
             .parquet, or hf:NAME[:CONFIG][:SPLIT]
-        tokenizer: sentencepiece .model to encode with (`tapetrain data tokenizer` writes one)
+        tokenizer: tokenizer to encode with: a sentencepiece .model (`tapetrain data tokenizer` writes one), a
+            Hugging Face tokenizer.json, or a model directory holding either
         out: output directory (written atomically: a crash leaves no half dataset), or a URL in object storage
             (s3://, gs://, hf://): written locally, uploaded (manifest last) and verified
         text_key: JSON field that holds each document's text
@@ -133,7 +134,7 @@ def scrolls(task: ScrollsTask, input: list[str], tokenizer: str, out: str, seq_l
     Args:
         task: the SCROLLS task (sets the prompt format and the answer budget)
         input: .jsonl/.json/.parquet files (globs) or hf:tau/scrolls:NAME[:SPLIT] (split default train)
-        tokenizer: sentencepiece .model of the model to tune
+        tokenizer: tokenizer of the model to tune (a sentencepiece .model, a tokenizer.json or a model directory)
         out: output directory
         seq_len: tokens per example, prompt + answer + EOS
         max_answer_tokens: answer budget (default: 200 for QA tasks, 1000 for summaries)

@@ -142,9 +142,11 @@ def example_dir_writer(out_dir: str, overwrite: bool = False) -> Iterator[str]:
 
 
 def write_manifest(out_dir: str, *, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
-                   splits: dict[str, dict], task: dict[str, Any], tokenizer_source: str | None) -> dict:
-    """manifest.json of a store (call last, after the splits are closed and tokenizer.model is in place)."""
-    tok_path = os.path.join(out_dir, TOKENIZER_FILE)
+                   splits: dict[str, dict], task: dict[str, Any], tokenizer_source: str | None,
+                   tokenizer_file: str = TOKENIZER_FILE) -> dict:
+    """manifest.json of a store (call last, after the splits are closed and the tokenizer file is in place:
+    tokenizer.model, or a Hugging Face tokenizer's tokenizer.json and its config files)."""
+    tok_path = os.path.join(out_dir, tokenizer_file)
     manifest = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -153,7 +155,7 @@ def write_manifest(out_dir: str, *, vocab_size: int, bos_id: int, eos_id: int, p
         "bos_id": int(bos_id),
         "eos_id": int(eos_id),
         "pad_id": int(pad_id),
-        "tokenizer": {"file": TOKENIZER_FILE, "sha256": file_sha256(tok_path), "source": tokenizer_source},
+        "tokenizer": {"file": tokenizer_file, "sha256": file_sha256(tok_path), "source": tokenizer_source},
         "task": task,
         "splits": splits,
     }
@@ -195,10 +197,11 @@ def read_manifest(path: str) -> dict[str, Any]:
 
 
 def tokenizer_of(path: str) -> str | None:
-    """The tokenizer.model of an example store (None for anything else)."""
+    """The tokenizer file of an example store (None for anything else)."""
     if not is_example_dir(path):
         return None
-    tok = os.path.join(os.path.abspath(path), TOKENIZER_FILE)
+    name = (read_manifest(path).get("tokenizer") or {}).get("file") or TOKENIZER_FILE
+    tok = os.path.join(os.path.abspath(path), name)
     return tok if os.path.isfile(tok) else None
 
 

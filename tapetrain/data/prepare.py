@@ -46,12 +46,13 @@ from tapetrain.data import publish, remote
 from tapetrain.data.errors import DataError
 from tapetrain.data.hashing import uniform01
 from tapetrain.data.sources import SourceStats, expand_inputs, iter_documents
-from tapetrain.data.tokenizer import Tokenizer
+from tapetrain.data.tokenizer import open_tokenizer
 from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SHARD_TOKENS = 1 << 27  # 128Mi tokens: 256 MiB per uint16 shard
+TOKENIZER_COPY = "tokenizer"  # the directory of a dataset (and of a run) that holds a copy of its tokenizer
 CHUNK_DOCS = 512  # documents per worker task ...
 CHUNK_CHARS = 1 << 20  # ... or fewer if they already hold this many characters
 
@@ -68,7 +69,7 @@ class ChunkEncoder:
     """
 
     def __init__(self, tokenizer_path: str, dtype: str, seed: int, val_fraction: float, split_at: int | None = None):
-        self.tok = Tokenizer(tokenizer_path)
+        self.tok = open_tokenizer(tokenizer_path)
         self.dtype = fmt.DTYPES[dtype]
         self.seed, self.val_fraction, self.split_at = seed, val_fraction, split_at
 
@@ -129,6 +130,7 @@ def _die_with_parent(parent: int) -> None:
 def _init_worker(parent: int, encoder_args: tuple) -> None:
     global _worker_encoder
     _die_with_parent(parent)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker, as sentencepiece's num_threads=1
     _worker_encoder = ChunkEncoder(*encoder_args)
 
 
@@ -252,7 +254,7 @@ def _install(work: str, out_dir: str) -> None:
     shutil.rmtree(old)
 
 
-def _write_shards(sources: list[str], tok: Tokenizer, dtype: str, out_dir: str, text_key: str,
+def _write_shards(sources: list[str], tok, dtype: str, out_dir: str, text_key: str,
                   val_fraction: float, workers: int, shard_tokens: int, skip_bad: bool, seed: int,
                   progress: bool, stats: SourceStats, split_at: int | None = None) -> dict[str, Any]:
     """Read, tokenize and shard everything; return the manifest's "splits" entry."""
@@ -312,10 +314,11 @@ def prepare(
         raise DataError(f"--workers must be >= 1, got {workers}")
     if split_docs_at is not None and split_docs_at < 1:
         raise DataError(f"--split-docs-at must be >= 1 token, got {split_docs_at}; e.g. 2048 (or leave it out)")
-    tok = Tokenizer(tokenizer_path)
+    tok = open_tokenizer(tokenizer_path)
     if tok.eos_id < 0:
-        raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS, "
-                        "so use a model trained with eos_id >= 0 (e.g. `tapetrain data tokenizer`)")
+        raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS, so use "
+                        "a sentencepiece model trained with eos_id >= 0 (e.g. `tapetrain data tokenizer`) or a "
+                        "tokenizer.json whose tokenizer_config.json names an eos_token")
     dtype = fmt.token_dtype(tok.vocab_size)
     sources = expand_inputs(inputs)  # fail on bad globs before touching out_dir
     if remote.is_remote(out_dir):  # object storage: write locally, upload, verify (tapetrain.data.publish)
@@ -337,10 +340,15 @@ def prepare(
     except BaseException:  # bad input, Ctrl-C, worker crash: out_dir was never touched; drop the work dir
         shutil.rmtree(work, ignore_errors=True)
         raise
+    # A copy of the tokenizer travels with the shards: a run adopts it even where `tok.path` does not exist.
+    os.makedirs(os.path.join(work, TOKENIZER_COPY), exist_ok=True)
+    for path in tok.files:
+        shutil.copyfile(path, os.path.join(work, TOKENIZER_COPY, os.path.basename(path)))
     manifest = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,
-        "tokenizer": {"path": tok.path, "sha256": tok.checksum},
+        "tokenizer": {"path": tok.path, "sha256": tok.checksum, "kind": tok.kind,
+                      "copy": f"{TOKENIZER_COPY}/{os.path.basename(tok.path)}"},
         "vocab_size": tok.vocab_size,
         "dtype": dtype,
         "bos_id": tok.bos_id,

@@ -27,7 +27,8 @@ def manifest_tokenizer(path: str) -> dict | None:
 
 
 def common_tokenizer(paths: list[str], tokenizer_file: str | None = None, what: str = "data.tokenizer") -> str | None:
-    """The sha256 every dataset in `paths` was tokenized with (checked against `tokenizer_file` if given).
+    """The sha256 every dataset in `paths` was tokenized with (checked against `tokenizer_file` if given; `what`
+    says where that file came from: data.tokenizer, or e.g. model.init_from's tokenizer).
 
     Raises DataError naming each source and its tokenizer when they disagree, or when `tokenizer_file` is missing
     or differs. Returns None when no dataset recorded a tokenizer (and no file was given).
@@ -42,14 +43,19 @@ def common_tokenizer(paths: list[str], tokenizer_file: str | None = None, what: 
                         "tokenizer")
     sha = next(iter(shas)) if shas else None
     if tokenizer_file:
+        from tapetrain.data.tokenizer import resolve_tokenizer_file
+
+        if os.path.isdir(tokenizer_file):  # a model directory: its tokenizer file
+            tokenizer_file = resolve_tokenizer_file(tokenizer_file)
         if not os.path.isfile(tokenizer_file):
-            raise DataError(f"{what}={tokenizer_file} does not exist; point it at the sentencepiece .model the shards "
+            raise DataError(f"{what}={tokenizer_file} does not exist; point it at the tokenizer file the shards "
                             f"were prepared with{_hint(known)}, or set it to null")
         file_sha = file_sha256(tokenizer_file)
         if sha is not None and file_sha != sha:
-            raise DataError(f"{what}={tokenizer_file} (sha256 {file_sha[:12]}…) is not the tokenizer the data was "
-                            f"prepared with (sha256 {sha[:12]}…{_hint(known)}); point {what} at that file, or "
-                            "re-run `tapetrain data prepare` with this tokenizer")
+            given = f"{what}={tokenizer_file}" if what == "data.tokenizer" else what
+            raise DataError(f"{given} (sha256 {file_sha[:12]}…) is not the tokenizer the data was prepared with "
+                            f"(sha256 {sha[:12]}…{_hint(known)}); point data.tokenizer at the data's tokenizer, or "
+                            f"re-run `tapetrain data prepare --tokenizer {tokenizer_file}`")
         sha = file_sha
     return sha
 

@@ -184,9 +184,9 @@ class PromptBuilder:
 def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, out_dir: str, seq_len: int = 8192,
                        max_answer_tokens: int | None = None, overwrite: bool = False, progress: bool = True) -> dict:
     """`tapetrain data scrolls`: one training example per record, in an example store with a copy of the tokenizer."""
-    from tapetrain.data.tokenizer import Tokenizer
+    from tapetrain.data.tokenizer import open_tokenizer
 
-    tok = Tokenizer(tokenizer_path)
+    tok = open_tokenizer(tokenizer_path)
     builder = PromptBuilder(task, tok, seq_len, max_answer_tokens)
     sources = expand_inputs(inputs)  # bad globs fail before anything is written
     start = time.perf_counter()
@@ -210,7 +210,10 @@ def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, 
                 bar.set_postfix_str(f"{writer.num_tokens / (time.perf_counter() - start) / 1e3:.0f}k tok/s",
                                     refresh=False)
         split = writer.close()
-        shutil.copyfile(tok.path, os.path.join(tmp, TOKENIZER_FILE))
+        # the store keeps its tokenizer: a .model as tokenizer.model, a tokenizer.json with its config files
+        names = [TOKENIZER_FILE] if tok.kind == "sentencepiece" else [os.path.basename(p) for p in tok.files]
+        for source, name in zip(tok.files, names, strict=True):
+            shutil.copyfile(source, os.path.join(tmp, name))
         info = {
             "name": "scrolls",
             "scrolls_task": task,
@@ -228,7 +231,7 @@ def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, 
         }
         manifest = write_manifest(tmp, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                   pad_id=tok.pad_id, splits={"train": split}, task=info,
-                                  tokenizer_source=tok.path)
+                                  tokenizer_source=tok.path, tokenizer_file=names[0])
     log.info("data scrolls %s: %d records (%d ids), %d prompts and %d answers truncated, %.1fs", task,
              split["num_examples"], len(ids), truncated_prompts, truncated_answers, time.perf_counter() - start)
     return manifest

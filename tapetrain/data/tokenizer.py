@@ -1,6 +1,11 @@
-"""SentencePiece tokenizer: training (BPE, byte fallback, Llama-style ids) and an encode/decode wrapper.
+"""Tokenizers: `open_tokenizer(path)` gives one interface over two kinds, and sentencepiece training.
 
-Any sentencepiece .model file (ours or e.g. Llama-2's tokenizer.model) loads through `Tokenizer`.
+- sentencepiece: any .model file (ours, Llama-2's tokenizer.model) through `Tokenizer`;
+- Hugging Face: a tokenizer.json (Llama-3, Qwen, Mistral) or a model directory holding one, through
+  `tapetrain.data.hf_tokenizer.HFTokenizer`.
+
+Both have path, checksum (sha256 of `path`), files (what a run directory or export copies), vocab_size,
+bos_id/eos_id/pad_id (-1 = none), encode, encode_batch and decode.
 """
 
 from __future__ import annotations
@@ -20,15 +25,56 @@ from tapetrain.data.sources import SourceStats, iter_documents
 _MAX_SENTENCE_BYTES = 1 << 16
 
 
+SENTENCEPIECE_FILE = "tokenizer.model"
+
+
+def resolve_tokenizer_file(path: str) -> str:
+    """The tokenizer file `path` names: itself, or in a model directory its tokenizer.model (sentencepiece, when
+    the model ships one: Llama-2, Mistral, and tapetrain's exports of a sentencepiece run) or tokenizer.json."""
+    from tapetrain.data.hf_tokenizer import TOKENIZER_JSON
+
+    if os.path.isdir(path):
+        for name in (SENTENCEPIECE_FILE, TOKENIZER_JSON):
+            if os.path.isfile(os.path.join(path, name)):
+                return os.path.join(path, name)
+        raise DataError(f"tokenizer directory {path} holds neither {SENTENCEPIECE_FILE} nor {TOKENIZER_JSON}; pass "
+                        "a model directory that has one, or the tokenizer file itself")
+    if not os.path.isfile(path):
+        raise DataError(f"tokenizer {path} does not exist; pass a sentencepiece .model, a Hugging Face "
+                        "tokenizer.json or a model directory holding one (train a sentencepiece model with "
+                        "`tapetrain data tokenizer --input ... --vocab-size N --out tok.model`)")
+    return path
+
+
+def tokenizer_in(directory: str) -> str | None:
+    """The tokenizer file of a model directory (an export, a Hugging Face checkpoint), or None."""
+    try:
+        return resolve_tokenizer_file(directory) if os.path.isdir(directory) else None
+    except DataError:
+        return None
+
+
+def is_hf_tokenizer_file(path: str) -> bool:
+    return path.endswith(".json")
+
+
+def open_tokenizer(path: str):
+    """A sentencepiece `Tokenizer` or an `HFTokenizer` for `path` (a .model, a tokenizer.json, a model dir)."""
+    path = resolve_tokenizer_file(path)
+    if is_hf_tokenizer_file(path):
+        from tapetrain.data.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(path)
+    return Tokenizer(path)
+
+
 class Tokenizer:
     """Wraps `sentencepiece.SentencePieceProcessor`; ids never include BOS/EOS unless the caller adds them."""
 
+    kind = "sentencepiece"
+
     def __init__(self, path: str):
-        if not os.path.isfile(path):
-            raise DataError(
-                f"tokenizer model {path} does not exist; train one with `tapetrain data tokenizer "
-                "--input ... --vocab-size N --out tok.model` or pass an existing sentencepiece .model"
-            )
+        path = resolve_tokenizer_file(path)
         self.path = os.path.abspath(path)
         self._sp = spm.SentencePieceProcessor()
         try:
@@ -36,13 +82,20 @@ class Tokenizer:
         except (OSError, RuntimeError) as err:
             raise DataError(
                 f"{path} is not a sentencepiece model ({err}); pass a .model file written by sentencepiece "
-                "(e.g. by `tapetrain data tokenizer`, or Llama-2's tokenizer.model)"
+                "(e.g. by `tapetrain data tokenizer`, or Llama-2's tokenizer.model), or a Hugging Face tokenizer.json"
             ) from err
         self.checksum = file_sha256(self.path)
 
     @property
+    def files(self) -> list[str]:
+        return [self.path]
+
+    @property
     def vocab_size(self) -> int:
         return self._sp.GetPieceSize()
+
+    def piece(self, token_id: int) -> str | None:
+        return self._sp.id_to_piece(token_id) if token_id >= 0 else None
 
     @property
     def bos_id(self) -> int:

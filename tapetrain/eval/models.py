@@ -100,8 +100,9 @@ class EvalModel:
 
 
 def _tokenizer_in(directory: str) -> str | None:
-    path = os.path.join(directory, "tokenizer.model")
-    return path if os.path.isfile(path) else None
+    from tapetrain.data.tokenizer import tokenizer_in
+
+    return tokenizer_in(directory)
 
 
 def _file_sha256(path: str | None) -> str | None:

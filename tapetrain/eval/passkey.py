@@ -339,14 +339,15 @@ def resolve_passkey_args(protocol: str, lengths, seed, max_tokens, interval, dep
 
 
 def load_tokenizer(model: EvalModel, path: str | None):
-    """The sentencepiece tokenizer `path` (default: the model's), checked against the model's vocabulary."""
-    from tapetrain.data.tokenizer import Tokenizer
+    """The tokenizer `path` (a .model, tokenizer.json or model directory; default: the model's), checked against
+    the model's vocabulary."""
+    from tapetrain.data.tokenizer import open_tokenizer
 
     path = path or model.tokenizer
     if not path:
-        raise InputError(f"no tokenizer for {model.name}: pass --tokenizer PATH (the sentencepiece .model the model "
-                         "was trained with)")
-    tok = Tokenizer(path)
+        raise InputError(f"no tokenizer for {model.name}: pass --tokenizer PATH (the sentencepiece .model, "
+                         "tokenizer.json or model directory the model was trained with)")
+    tok = open_tokenizer(path)
     if tok.vocab_size > model.vocab_size:
         raise InputError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's vocab_size is "
                          f"{model.vocab_size}; pass the tokenizer the model was trained with")
@@ -427,7 +428,7 @@ def run_eval_passkey(
         batch_size: tapetrain protocol: equal-length prompts decoded together (default 8)
         max_tokens: tape/longlora: the scripts' --max_tokens (length points = max_tokens // interval)
         interval: tape/longlora: the scripts' --interval (default 1000)
-        tokenizer: sentencepiece .model (default: the model's)
+        tokenizer: a sentencepiece .model, a tokenizer.json or a model directory (default: the model's)
         dtype: compute dtype (the references ran fp16)
         step: run directories: checkpoint step (default newest)
         out: result JSON

@@ -199,7 +199,8 @@ def run_eval_ppl(
         dtype: compute dtype (the references ran fp16)
         max_tokens: evaluate the first N tokens of the data only
         batch_size: windows per forward pass
-        tokenizer: sentencepiece .model for text data (default: the model's)
+        tokenizer: for text data: a sentencepiece .model, a tokenizer.json or a model directory (default: the
+            model's)
         token_dtype: .bin id width (default uint16)
         step: run directories: checkpoint step (default newest)
         out: result JSON

@@ -112,7 +112,7 @@ def check_export(path: str) -> None:
     if not any(os.path.isfile(os.path.join(path, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
         raise InputError(f"{path} has no Hugging Face tokenizer (tokenizer.json / tokenizer_config.json), which "
                          "RULER needs to size its prompts; re-export with the run's tokenizer (tapetrain export hf "
-                         "--tokenizer TOK.model)")
+                         "--tokenizer TOK, a sentencepiece .model, a tokenizer.json or a model directory)")
 
 
 def sample_record(sample: dict, task: str, length: int, keep_prompts: bool) -> dict:

@@ -98,7 +98,7 @@ def run_eval_scrolls(model_path: str, task: ScrollsTask, data: str, out: str, *,
             hf:tau/scrolls:NAME:validation
         out: result JSON: scores, settings and every prediction
         predictions: score these predictions (a JSON file {id: text}) instead of generating
-        tokenizer: sentencepiece .model (default: the model's)
+        tokenizer: a sentencepiece .model, a tokenizer.json or a model directory (default: the model's)
         seq_len: prompt + answer budget, as in fine-tuning
         max_answer_tokens: new tokens at most (default: 200 for QA, 1000 for summaries)
         max_examples: evaluate the first N ids only
@@ -106,7 +106,7 @@ def run_eval_scrolls(model_path: str, task: ScrollsTask, data: str, out: str, *,
         dtype: compute dtype
         step: run directories: checkpoint step (default newest)
     """
-    from tapetrain.data.tokenizer import Tokenizer
+    from tapetrain.data.tokenizer import open_tokenizer
 
     if task not in TASKS:
         raise InputError(f"unknown SCROLLS task {task!r}; choose one of {', '.join(sorted(TASKS))}")
@@ -126,9 +126,9 @@ def run_eval_scrolls(model_path: str, task: ScrollsTask, data: str, out: str, *,
             model = load_eval_model(model_path, dtype, step)
             path = tokenizer or model.tokenizer
             if not path:
-                raise InputError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece .model the "
-                                 "model was trained with)")
-            tok = Tokenizer(path)
+                raise InputError(f"no tokenizer for {model_path}: pass --tokenizer PATH (the sentencepiece "
+                                 ".model, tokenizer.json or model directory the model was trained with)")
+            tok = open_tokenizer(path)
             local = generate_predictions(model, tok, task, inputs, seq_len=seq_len,
                                          max_answer_tokens=max_answer_tokens, seed=seed, ranks=ranks)
             predicted = ranks.gather(local)

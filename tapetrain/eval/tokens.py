@@ -44,7 +44,7 @@ class EvalTokens:
                              f"{self.tokenizer_sha256[:12]}… but {model_name} was trained with sha256 "
                              f"{model_sha256[:12]}…: its token ids mean "
                              "something else to this model. Evaluate data prepared with the model's tokenizer "
-                             "(`tapetrain data prepare --tokenizer` with the model's tokenizer.model, or pass text)")
+                             "(`tapetrain data prepare --tokenizer` with the model's tokenizer, or pass text)")
 
     def check_vocab(self, model_vocab: int, block: int = 1 << 22) -> None:
         """Raise naming the first id >= the model's vocabulary (scans the stream in blocks)."""
@@ -94,12 +94,13 @@ def _open_flat(path: str, token_dtype: str | None) -> EvalTokens:
 
 def _open_text(path: str, tokenizer: str | None) -> EvalTokens:
     if not tokenizer:
-        raise InputError(f"{path} is text and needs a tokenizer: pass --tokenizer PATH (a sentencepiece .model), "
+        raise InputError(f"{path} is text and needs a tokenizer: pass --tokenizer PATH (a sentencepiece .model, "
+                         "a tokenizer.json or a model directory), "
                          "or evaluate a model whose export/run names one")
     from tapetrain.data.sources import iter_documents
-    from tapetrain.data.tokenizer import Tokenizer
+    from tapetrain.data.tokenizer import open_tokenizer
 
-    tok = Tokenizer(tokenizer)
+    tok = open_tokenizer(tokenizer)
     ids: list[int] = []
     for doc in iter_documents(path):
         ids.extend(tok.encode(doc.text))

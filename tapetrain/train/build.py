@@ -70,7 +70,7 @@ def _data_spec(sources: list[DataSource]) -> list[dict]:
 
 
 def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
-                       checkpoints: CheckpointManager) -> StartChecks:
+                       checkpoints: CheckpointManager, tokenizer_origin: str = "data.tokenizer") -> StartChecks:
     """Resume compatibility, data manifests and tokenizer, then (rank 0) data.verify: on every rank, collectively,
     before anything is written."""
     from tapetrain.data.cache import ShardCache
@@ -85,17 +85,26 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
         if not cfg.data.train:
             raise ConfigError("data.train is empty; point it at a directory written by `tapetrain data prepare`")
         seq_len, vocab = cfg.data.seq_len, model_config.vocab_size
-        train = open_dataset(_data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=vocab, seed=cfg.run.seed,
-                             packing=cfg.data.packing, document_mask=cfg.data.document_mask, cache=cache)
+        # A checkpoint's embedding may have more rows than its tokenizer has tokens (Qwen2.5: 151936 for
+        # 151665): with model.init_from the data's vocabulary need only fit; from scratch it must be equal.
+        expected = None if cfg.model.init_from else vocab
+        train = open_dataset(_data_spec(cfg.data.train), seq_len, "train", expected_vocab_size=expected,
+                             seed=cfg.run.seed, packing=cfg.data.packing, document_mask=cfg.data.document_mask,
+                             cache=cache)
         val = None
         if cfg.data.val:
-            val = open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=vocab,
+            val = open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=expected,
                                packing=cfg.data.packing, document_mask=cfg.data.document_mask, cache=cache)
+        for dataset in (train, val):
+            if dataset is not None and dataset.vocab_size > vocab:
+                raise ConfigError(f"the data was tokenized with vocab {dataset.vocab_size} but model.init_from="
+                                  f"{cfg.model.init_from} has vocab_size={vocab}; prepare the data with the "
+                                  "checkpoint's tokenizer (`tapetrain data prepare --tokenizer CHECKPOINT_DIR`)")
         if train.document_mask and model_config.s2_attn:
             raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document "
                               "mask; set model.s2_attn=false or data.document_mask=false")
         paths = [s.path for s in [*cfg.data.train, *cfg.data.val]]
-        checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer))
+        checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer, tokenizer_origin))
         found.update(resume=resume, train_dataset=train, val_dataset=val)
 
     agree(env, check)
@@ -118,24 +127,16 @@ def _parameter_counts(model: torch.nn.Module) -> tuple[int, int]:
     return total, trainable
 
 
-def _with_example_tokenizer(cfg: RunConfig) -> RunConfig:
-    """data.tokenizer defaults to the tokenizer.model inside an example store (data arith/scrolls), so the run's
-    config.yaml names it and `tapetrain export hf` / the eval tools decode without being told."""
-    from tapetrain.data.examples import tokenizer_of
+def run_config_as_written(cfg: RunConfig, model_config: ModelConfig) -> tuple[RunConfig, str]:
+    """The config the run records: with model.init_from, the checkpoint's shape and the RoPE in use; the adopted
+    tokenizer (run_tokenizer.choose_tokenizer; also returns what names it); every local path absolute."""
+    from tapetrain.config.run_config import with_absolute_paths
+    from tapetrain.train.run_tokenizer import choose_tokenizer
 
-    if cfg.data.tokenizer or not cfg.data.train:
-        return cfg
-    tokenizer = tokenizer_of(cfg.data.train[0].path)
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=tokenizer)) if tokenizer else cfg
-
-
-def _run_config_as_written(cfg: RunConfig, model_config: ModelConfig) -> RunConfig:
-    """The config the run records: with model.init_from, the checkpoint's shape and the RoPE in use; the example
-    store's tokenizer."""
     if cfg.model.init_from:
         shape = {k: getattr(model_config, k) for k in CHECKPOINT_SHAPE_FIELDS + ROPE_FIELDS}
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **shape))
-    return _with_example_tokenizer(cfg)
+    return choose_tokenizer(with_absolute_paths(cfg))
 
 
 def resolve_model_config_agreed(cfg: RunConfig, env: DistEnv) -> ModelConfig:
@@ -211,7 +212,7 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
 
     # config: the model's shape (init_from), the example store's tokenizer, DeepSpeed's JSON
     model_config = resolve_model_config_agreed(cfg, env)
-    cfg = _run_config_as_written(cfg, model_config)
+    cfg, tokenizer_origin = run_config_as_written(cfg, model_config)
     ds_config = build_deepspeed_config(cfg, env.world_size)
 
     # sequence parallelism: DeepSpeed's groups (collective), the model's shard, which samples this rank reads
@@ -220,7 +221,7 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
 
     # checks before anything is written: the checkpoint to resume from, data, tokenizer
     checkpoints = CheckpointManager(cfg, env, model_config)
-    start = check_before_start(cfg, env, model_config, checkpoints)
+    start = check_before_start(cfg, env, model_config, checkpoints, tokenizer_origin)
     clock.done("data", data_summary(start))
 
     # model

@@ -318,7 +318,10 @@ class CheckpointManager:
     def _write_run_files(self, ds_config: dict, start_step: int) -> None:
         """config.yaml (this start's resolved config), one copy per start in config_history/, ds_config.json."""
         from tapetrain.config import save_resolved
+        from tapetrain.train.run_tokenizer import keep_copy
 
+        # The run keeps its tokenizer; config.yaml and every checkpoint's copy of the config name that copy.
+        self.cfg = keep_copy(self.cfg, self.run_dir, write=self.env.is_main)
         if self.env.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             history = self.run_dir / CONFIG_HISTORY

@@ -134,12 +134,18 @@ def dry_run(cfg: RunConfig, env: DistEnv) -> int:
     from tapetrain.checkpoint import disk
     from tapetrain.config import build_deepspeed_config
     from tapetrain.distributed import agree
-    from tapetrain.train.build import check_before_start, data_summary, resolve_model_config_agreed
+    from tapetrain.train.build import (
+        check_before_start,
+        data_summary,
+        resolve_model_config_agreed,
+        run_config_as_written,
+    )
     from tapetrain.train.checkpointing import CheckpointManager
 
     model_config = resolve_model_config_agreed(cfg, env)
+    cfg, tokenizer_origin = run_config_as_written(cfg, model_config)  # the tokenizer a start would adopt
     build_deepspeed_config(cfg, env.world_size)
-    start = check_before_start(cfg, env, model_config, CheckpointManager(cfg, env, model_config))
+    start = check_before_start(cfg, env, model_config, CheckpointManager(cfg, env, model_config), tokenizer_origin)
     total, trainable = _parameter_counts(cfg, model_config)
     d = cfg.deepspeed
     needed = disk.checkpoint_bytes(total, trainable, d.precision, d.zero_stage, env.world_size,

@@ -26,7 +26,9 @@ def test_arith_data_train_eval_export(tmp_path):
     losses = [r["loss"] for r in records if "loss" in r]
     assert losses[-1] < 0.7 * losses[0]  # the answer-only loss falls: the path learns
     config = (run_dir / "config.yaml").read_text()
-    assert str(data / "tokenizer.model") in config  # data.tokenizer filled in from the example store
+    # data.tokenizer filled in from the example store; the run keeps a copy and config.yaml names it
+    assert f"tokenizer: {run_dir / 'tokenizer' / 'tokenizer.model'}" in config
+    assert (run_dir / "tokenizer" / "tokenizer.model").read_bytes() == (data / "tokenizer.model").read_bytes()
 
     out = tmp_path / "run.json"
     run([*CLI, "eval", "arith", str(run_dir), "--data", str(data), "--out", str(out),

@@ -58,7 +58,7 @@ def test_tokenizer_ids_roundtrip_and_checksum(corpus):
 
 
 def test_tokenizer_errors(tmp_path, corpus):
-    with pytest.raises(DataError, match="does not exist; train one with `tapetrain data tokenizer"):
+    with pytest.raises(DataError, match="does not exist; pass a sentencepiece .model, a Hugging Face tokenizer.json"):
         Tokenizer(str(tmp_path / "missing.model"))
     (tmp_path / "junk.model").write_bytes(b"not a model")
     with pytest.raises(DataError, match="is not a sentencepiece model"):
@@ -124,7 +124,8 @@ def test_rerun_refuses_then_overwrites(corpus, tmp_path):
         prepare([corpus["jsonl"]], corpus["tok"], out, progress=False)
     manifest = prepare([corpus["jsonl"]], corpus["tok"], out, overwrite=True, progress=False)
     assert sorted(f for f in os.listdir(out)) == sorted(
-        ["manifest.json"] + [s["file"] for s in manifest["splits"]["train"]["shards"]])
+        ["manifest.json", "tokenizer"] + [s["file"] for s in manifest["splits"]["train"]["shards"]])
+    assert os.listdir(os.path.join(out, "tokenizer")) == ["tok.model"]  # a copy travels with the shards
 
 
 def test_overwrite_keeps_the_old_dataset_until_the_new_one_is_complete(corpus, tmp_path):
@@ -132,12 +133,12 @@ def test_overwrite_keeps_the_old_dataset_until_the_new_one_is_complete(corpus, t
     out = tmp_path / "out"
     prepare([corpus["jsonl"]], corpus["tok"], str(out), progress=False)
     (out / "NOTES.txt").write_text("mine")  # not prepare's: survives a successful overwrite too
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": "kato ri"}\n{oops\n')
     with pytest.raises(DataError, match="malformed JSON"):
         prepare([str(bad)], corpus["tok"], str(out), overwrite=True, progress=False)
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl", "out"]  # no temporary directory left behind
     good = tmp_path / "small.jsonl"
     good.write_text(json.dumps({"text": "mu sen lo"}) + "\n")
