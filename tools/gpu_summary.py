@@ -104,7 +104,6 @@ def layer_estimate_gib(data: dict) -> float:
     """Today's memory model (tapetrain.train.memory.layer_activation_bytes) for the layer a `benchmark.py layer` JSON
     measured: its preset, PE, length, batch, dtype, MLP tiling and attention path. JSONs from before the path was
     recorded ran `auto` on Hopper, i.e. cuDNN's SDPA."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from tapetrain.bench.common import DTYPES
     from tapetrain.model import preset_config
     from tapetrain.train.memory import layer_activation_bytes

@@ -8,12 +8,9 @@ with the step time that traffic takes at H100 and H200 bandwidth (tapetrain/benc
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tapetrain.bench.roofline import BANDWIDTH_TBPS, roofline  # noqa: E402
+from tapetrain.bench.roofline import BANDWIDTH_TBPS, roofline
 
 CASES = (("llama-1b", 8, 2048), ("llama2-7b", 1, 8192))  # the train benchmark's and the 8K recipe's shapes
 

@@ -18,10 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tapetrain.bench.verified_record import merge_campaign, record_from_junit  # noqa: E402
-from tapetrain.model import verified_paths  # noqa: E402
+from tapetrain.bench.verified_record import merge_campaign, record_from_junit
+from tapetrain.model import verified_paths
 
 
 def _versions() -> dict[str, str]:
