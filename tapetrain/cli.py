@@ -38,7 +38,7 @@ OUT_AND_PLOT = {"out": "file", "plot": "file"}
 COMMANDS = (
     Command("data tokenizer", "tapetrain.data.commands:tokenizer", old="tokenizer train", outputs=OUT_FILE),
     Command("data prepare", "tapetrain.data.commands:prepare", old="prepare", outputs=OUT_DIR),
-    Command("data verify", "tapetrain.data.commands:verify", {"data_dirs": "DATA_DIR"}, old="verify"),
+    Command("data verify", "tapetrain.checkpoint.commands:verify", {"data_dirs": "DATA_DIR"}, old="verify"),
     Command("data arith", "tapetrain.data.commands:arith", old="arith data", outputs=OUT_DIR),
     Command("data scrolls", "tapetrain.data.commands:scrolls", old="scrolls data", outputs=OUT_DIR),
     Command("train", "tapetrain.train.run:train", {"config": "CONFIG.yaml", "overrides": "KEY=VALUE"}),

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from tapetrain.data.errors import DataError
 from tapetrain.errors import (
     CheckpointError,
     ConfigError,
+    DataError,
     DiskSpaceError,
     InputError,
     MissingInputError,
@@ -239,7 +239,7 @@ class EvalRanks(DistEnv):
     def share(self, count: int) -> list[int]:
         """The indices, out of `count` work items (windows, prompt batches, examples), that this rank evaluates:
         every (world_size / N)-th one from its data-parallel rank (rank // N), the same for a group's N ranks."""
-        from tapetrain.parallel.layout import ParallelLayout
+        from tapetrain.rank_layout import ParallelLayout
 
         layout = ParallelLayout(self.world_size, self.sequence_parallel)
         return list(range(layout.data_parallel_rank(self.rank), count, layout.data_parallel))

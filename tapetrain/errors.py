@@ -13,6 +13,10 @@ class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or impossible."""
 
 
+class DataError(UserError, ValueError):
+    """Input data, a prepared dataset or a data setting is unusable as given."""
+
+
 class InputError(UserError, ValueError):
     """A command's argument, or a model, checkpoint, result or eval file it names, is unusable as given."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Literal
 
 
@@ -39,3 +40,39 @@ def export_hf(run_dir: str, out: str, step: int | None = None, dtype: Literal["f
 
     result = export(run_dir, out, step, dtype, verify, tokenizer, max_shard_size=max_shard_size, overwrite=overwrite)
     print(export_summary(run_dir, result))
+
+
+def verify(data_dirs: list[str], quiet: bool = False) -> int:
+    """Check every shard's sha256 and token ids, or every checkpoint's files, against their manifests (exit 1 on
+    any mismatch).
+
+    Args:
+        data_dirs: directories written by `tapetrain data prepare` (or data arith / data scrolls), or their URLs
+            in object storage (streamed, not stored), run directories (every checkpoint) or checkpoint directories
+        quiet: no progress output
+    """
+    # Here, not in data/commands.py: a run directory's checkpoints are checkpoint business, and data sits below
+    # checkpoint (tests/unit/test_layering.py).
+    from pathlib import Path
+
+    from tapetrain.checkpoint import manifest
+    from tapetrain.data.verify import verify_dataset
+    from tapetrain.errors import DataError
+
+    bad = 0
+    for path in data_dirs:
+        notes: list[str] = []
+        try:
+            if manifest.is_run_or_checkpoint(Path(path)):
+                problems, notes = manifest.verify_checkpoints(Path(path))
+            else:
+                problems = verify_dataset(path, progress=not quiet)
+        except DataError as err:
+            problems = [str(err)]
+        for note in notes:
+            print(f"{path}: {note}", file=sys.stderr)
+        for problem in problems:
+            print(f"{path}: {problem}", file=sys.stderr)
+        print(f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        bad += bool(problems)
+    return 1 if bad else 0

@@ -5,7 +5,6 @@ Signatures and docstrings are the command-line options and their help (tapetrain
 from __future__ import annotations
 
 import json
-import sys
 
 from tapetrain.data.scrolls import ScrollsTask
 
@@ -54,40 +53,6 @@ def prepare(input: list[str], tokenizer: str, out: str, text_key: str = "text", 
     splits = ", ".join(f"{name}: {s['num_tokens']} tokens, {s['num_documents']} docs, {len(s['shards'])} shards"
                        for name, s in manifest["splits"].items())
     print(f"wrote {out}: {splits}; skipped {manifest['skipped_records']} bad records")
-
-
-def verify(data_dirs: list[str], quiet: bool = False) -> int:
-    """Check every shard's sha256 and token ids, or every checkpoint's files, against their manifests (exit 1 on
-    any mismatch).
-
-    Args:
-        data_dirs: directories written by `tapetrain data prepare` (or data arith / data scrolls), or their URLs
-            in object storage (streamed, not stored), run directories (every checkpoint) or checkpoint directories
-        quiet: no progress output
-    """
-    from pathlib import Path
-
-    from tapetrain.checkpoint import manifest
-    from tapetrain.data.errors import DataError
-    from tapetrain.data.verify import verify_dataset
-
-    bad = 0
-    for path in data_dirs:
-        notes: list[str] = []
-        try:
-            if manifest.is_run_or_checkpoint(Path(path)):
-                problems, notes = manifest.verify_checkpoints(Path(path))
-            else:
-                problems = verify_dataset(path, progress=not quiet)
-        except DataError as err:
-            problems = [str(err)]
-        for note in notes:
-            print(f"{path}: {note}", file=sys.stderr)
-        for problem in problems:
-            print(f"{path}: {problem}", file=sys.stderr)
-        print(f"{path}: {'OK' if not problems else f'{len(problems)} problem(s)'}")
-        bad += bool(problems)
-    return 1 if bad else 0
 
 
 def _summary(manifest: dict, out: str) -> str:

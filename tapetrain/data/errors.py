@@ -1,7 +1,6 @@
-"""Errors raised by the data layer; messages name the offending file/line/key and the fix."""
+"""Errors raised by the data layer; messages name the offending file/line/key and the fix. DataError itself lives in
+tapetrain/errors.py with the other user errors (rooms below data raise it too); it is re-exported here."""
 
-from tapetrain.errors import UserError
+from tapetrain.errors import DataError
 
-
-class DataError(UserError, ValueError):
-    """Input data, a prepared dataset or a data setting is unusable as given."""
+__all__ = ["DataError"]

@@ -62,6 +62,70 @@ def path_loading_calls(source: str) -> set[str]:
     return found
 
 
+def runtime_imports(source: str, module: str, is_package: bool = False) -> set[str]:
+    """imported_modules without the imports under `if TYPE_CHECKING:` (they never run)."""
+    tree = ast.parse(source)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            node.body = [ast.Pass()]
+    return imported_modules(ast.unparse(tree), module, is_package)
+
+
+def unit_of(module: str) -> str:
+    """The room a module belongs to: a top-level module (tapetrain.distributed) or a subpackage (tapetrain.data)."""
+    return ".".join(module.split(".")[:2])
+
+
+def unit_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, list[str]]]:
+    """{unit: {unit it imports: ["module -> module", ...]}} from {module: (source, is_package)}; imports of the
+    package root (tapetrain/__init__.py) are not edges."""
+    edges: dict[str, dict[str, list[str]]] = {}
+    for module, (source, is_package) in sources.items():
+        for name in runtime_imports(source, module, is_package):
+            while name and name not in sources:
+                name = name.rpartition(".")[0]
+            if not name.startswith("tapetrain.") or unit_of(name) == unit_of(module):
+                continue
+            edges.setdefault(unit_of(module), {}).setdefault(unit_of(name), []).append(f"{module} -> {name}")
+    return edges
+
+
+def cycles(edges: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The strongly connected groups of more than one unit (each a loop of imports), by Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(set(edges) | {w for ws in edges.values() for w in ws}):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    return {module_name(f): (f.read_text(), f.name == "__init__.py") for f in sorted(PACKAGE.rglob("*.py"))}
+
+
 def is_within(name: str, forbidden: str) -> bool:
     return name == forbidden or name.startswith(forbidden + ".")
 
@@ -83,6 +147,52 @@ def violations(target: str, forbidden: str) -> list[str]:
 def test_layering(target: str, forbidden: str, why: str) -> None:
     found = violations(target, forbidden)
     assert not found, f"{why}:\n" + "\n".join(found)
+
+
+def test_no_import_loops_between_rooms() -> None:
+    """No loop of runtime imports between the package's rooms (top-level modules and subpackages): each can be
+    understood, tested and changed from the ones below it."""
+    edges = unit_graph(package_sources())
+    loops = cycles(edges)
+    detail = [f"{' <-> '.join(loop)}: " + "; ".join(e for a in loop for b in loop
+                                                   for e in edges.get(a, {}).get(b, [])[:2]) for loop in loops]
+    assert not loops, "import loops between rooms:\n" + "\n".join(detail)
+
+
+# Lower rooms never import higher ones (each row: the room and the rooms above it that it must not import).
+LOWER = {
+    "tapetrain.errors": ["tapetrain.distributed", "tapetrain.data", "tapetrain.model", "tapetrain.config"],
+    "tapetrain.model": ["tapetrain.data", "tapetrain.train", "tapetrain.checkpoint", "tapetrain.eval",
+                        "tapetrain.bench", "tapetrain.compare", "tapetrain.distributed", "tapetrain.cli"],
+    "tapetrain.distributed": ["tapetrain.data", "tapetrain.parallel", "tapetrain.train", "tapetrain.checkpoint",
+                              "tapetrain.eval", "tapetrain.compare", "tapetrain.bench"],
+    "tapetrain.data": ["tapetrain.checkpoint", "tapetrain.train", "tapetrain.eval", "tapetrain.compare",
+                       "tapetrain.bench"],
+    "tapetrain.checkpoint": ["tapetrain.train", "tapetrain.eval", "tapetrain.compare", "tapetrain.bench"],
+}
+
+
+@pytest.mark.parametrize("room", sorted(LOWER))
+def test_no_upward_imports(room: str) -> None:
+    edges = unit_graph(package_sources()).get(room, {})
+    up = {higher: edges[higher] for higher in LOWER[room] if higher in edges}
+    assert not up, f"{room} imports rooms above it: " + "; ".join(e for v in up.values() for e in v[:3])
+
+
+def test_loop_checker_can_fail() -> None:
+    """A loop data -> checkpoint -> data is found; TYPE_CHECKING imports are not edges."""
+    sources = {
+        "tapetrain.data.commands": ("def f():\n    from tapetrain.checkpoint import manifest\n", False),
+        "tapetrain.checkpoint": ("", True),
+        "tapetrain.checkpoint.manifest": ("from tapetrain.data.errors import DataError\n", False),
+        "tapetrain.data": ("", True),
+        "tapetrain.data.errors": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                                  "    from tapetrain.model import X\n", False),
+        "tapetrain.model": ("", True),
+    }
+    edges = unit_graph(sources)
+    assert cycles(edges) == [["tapetrain.checkpoint", "tapetrain.data"]]
+    assert "tapetrain.model" not in edges.get("tapetrain.data", {})
 
 
 @pytest.mark.parametrize("root", ["tapetrain", "tools"])

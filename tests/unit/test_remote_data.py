@@ -284,7 +284,7 @@ def test_prepare_upload_and_verify_on_s3(served, tmp_path, monkeypatch):
         fs.pipe(f"tapetrain-test/tok/{name}", b"\x00" * (SHARD_TOKENS * 2))
         problems = verify_dataset(url, progress=False)
         assert len(problems) == 1 and problems[0].startswith(f"{name}: sha256")
-        from tapetrain.data import commands
+        from tapetrain.checkpoint import commands
 
         assert commands.verify([url], quiet=True) == 1  # `tapetrain data verify s3://...` exits 1
 
