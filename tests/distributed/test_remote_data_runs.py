@@ -113,3 +113,41 @@ def test_sigkill_and_resume_with_a_cold_cache_from_s3(small_shards, tmp_path):
     assert any(r.get("data_fetched_bytes", 0) > 0 for r in records)  # it did read from S3
     assert sorted(b) == list(range(1, 13))
     assert a == b
+
+
+
+def test_a_dataset_replaced_at_its_url_is_fetched_again_not_read_from_a_warm_cache(small_shards, shard_dir, tmp_path):
+    """Issue #40: another dataset at the same URL (same shard names, other bytes and sha256s) with a warm cache: the
+    cached shards no longer match the manifest, so they are fetched again; the run equals a local run of it."""
+    from conftest import write_stdlib_corpus
+
+    from tapetrain.data.cache import ShardCache
+    from tapetrain.data.prepare import prepare
+
+    write_stdlib_corpus(tmp_path / "other.jsonl", slice(40, 60))
+    other = tmp_path / "other"
+    prepare([str(tmp_path / "other.jsonl")], str(shard_dir.parent / "tok.model"), str(other / "data"),
+            shard_tokens=2048, progress=False)
+    first = json.loads((small_shards / "data/manifest.json").read_text())["splits"]["train"]["shards"]
+    second = json.loads((other / "data/manifest.json").read_text())["splits"]["train"]["shards"]
+    assert {s["file"] for s in first} & {s["file"] for s in second}  # the same names, other bytes
+    served = tmp_path / "served"
+    cache = ShardCache(str(tmp_path / "cache"), None)
+    steps = {"steps": 2, "save_interval": 0}
+    local = tmp_path / "local"
+    run(single_cmd(write_config(tmp_path / "l.yaml", other / "data", local, train=steps)))
+    shutil.copytree(small_shards / "data", served / "data")
+    with ShardServer(served) as server:
+        url = f"{server.url}/data"
+        for s in first:  # the first dataset warms the cache (the reader that training uses)
+            cache.pin(url, s["file"], (served / "data" / s["file"]).stat().st_size, s["sha256"]).release()
+        shutil.rmtree(served / "data")
+        shutil.copytree(other / "data", served / "data")  # replaced at the same URL
+        out = tmp_path / "remote"
+        cfg = write_config(tmp_path / "r.yaml", other / "data", out, train=steps,
+                           data={"train": url, "cache_dir": cache.root})
+        proc = run(single_cmd(cfg))
+        refetched = [n for n in {s["file"] for s in first} & {s["file"] for s in second} if server.gets(f"/data/{n}")]
+    assert losses(out) == losses(local)
+    assert refetched
+    assert "does not match the manifest" in proc.stdout + proc.stderr
