@@ -217,6 +217,7 @@ class Trainer:
         log.info("data.document_mask: %.1f tokens per document in the first micro batch; the mask skips %.1f%% of "
                  "the causal 128x128 attention tiles (what block-sparse attention skips)", per_doc, 100 * skipped)
 
+    @torch.no_grad()  # no autograd graph: validation never calls backward, and a graph costs activation memory
     def validate(self) -> dict:
         """Token-weighted mean loss over the same validation samples on any number of ranks (train/validation)."""
         from tapetrain.progress import progress as progress_bar
