@@ -22,6 +22,7 @@ from tapetrain.parallel import ParallelLayout
 from tapetrain.train import resume_checks
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
 from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, ROPE_FIELDS, build_model, resolve_model_config
+from tapetrain.train.start_checks import check_attention_backend
 from tapetrain.train.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
         if cfg.data.val:
             val = open_dataset(_data_spec(cfg.data.val), seq_len, "val", expected_vocab_size=vocab,
                                packing=cfg.data.packing, document_mask=cfg.data.document_mask, cache=cache)
+        check_attention_backend(model_config, env.device)
         if train.document_mask and model_config.s2_attn:
             raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document "
                               "mask; set model.s2_attn=false or data.document_mask=false")

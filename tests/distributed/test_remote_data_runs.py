@@ -151,3 +151,35 @@ def test_a_dataset_replaced_at_its_url_is_fetched_again_not_read_from_a_warm_cac
     assert losses(out) == losses(local)
     assert refetched
     assert "does not match the manifest" in proc.stdout + proc.stderr
+
+
+def test_dry_run_finds_what_would_fail_later(small_shards, tmp_path):
+    """Issue #40: each of these passed --dry-run and failed later (at the first read of a shard, or at step 1 with a
+    traceback); --print-config accepted data.document_mask with model.s2_attn, which a start refuses."""
+    served = tmp_path / "served"
+    shutil.copytree(small_shards / "data", served / "data")
+    missing = sorted((served / "data").glob("train-*.bin"))[-1]
+    missing.unlink()
+    read_only = tmp_path / "ro-cache"
+    read_only.mkdir()
+    with ShardServer(served) as server:
+        url = f"{server.url}/data"
+        cfg = write_config(tmp_path / "d.yaml", small_shards / "data", tmp_path / "run",
+                           data={"train": url, "cache_dir": str(tmp_path / "cache")})
+        cases = [
+            (single_cmd(cfg, "--dry-run"), f"{url}/{missing.name} does not exist"),
+            (single_cmd(cfg, "--dry-run", "data.cache_limit_gb=0.000001"), "data.cache_limit_gb=1e-06 is smaller"),
+            (["unshare", "-rm", "sh", "-c", 'mount --bind -o ro "$0" "$0" && shift && exec "$@"', str(read_only),
+              "--", *single_cmd(cfg, "--dry-run", f"data.cache_dir={read_only}")], f"data.cache_dir {read_only}"),
+        ]
+        for cmd, expected in cases:
+            proc = attempt(cmd)
+            assert proc.returncode == 1 and expected in proc.stdout, (cmd[-1], proc.stdout[-3000:])
+            assert "Traceback" not in proc.stdout
+    local = write_config(tmp_path / "l.yaml", small_shards / "data", tmp_path / "run")
+    for backend in ("flash", "triton"):
+        proc = attempt(single_cmd(local, "--dry-run", f"model.attn_backend={backend}"))
+        assert proc.returncode == 1 and f"model.attn_backend={backend}" in proc.stdout, proc.stdout[-3000:]
+    proc = attempt(single_cmd(local, "--print-config", "data.document_mask=true", "model.pe=rope",
+                                  "model.s2_attn=true"))
+    assert proc.returncode == 1 and "data.document_mask with model.s2_attn" in proc.stdout, proc.stdout[-3000:]
