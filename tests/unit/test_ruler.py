@@ -4,7 +4,7 @@ The six offline-capable RULER tasks run on a TAPE export (remote code) and a RoP
 lengths; every answer lm-eval generated for a few prompts must equal tapetrain's own greedy decoding of the same
 prompt (BOS + prompt, as the harness encodes it), and every score RULER's string match of that answer. The answer
 budget is capped (--ruler-max-new-tokens) to keep CPU time down; the prompts are RULER's own. Skipped without the
-lm-eval extra (`pip install "tapetrain[lm-eval]"`).
+lm-eval extra (`pip install -e ".[lm-eval]"` in a clone of tapetrain).
 """
 
 from __future__ import annotations
