@@ -140,6 +140,10 @@ def _disk_full(root: str, need: str) -> DataError:
     )
 
 
+_STALE_REPORTED: set[str] = set()  # dataset URLs whose changed shards this process has reported
+_STALE_LOCK = threading.Lock()
+
+
 def _verified(d: str, name: str) -> str:
     return os.path.join(d, ".verified", name)
 
@@ -162,10 +166,13 @@ def _current(d: str, name: str, size: int, sha256: str, url: str | None = None) 
             _record(d, name, sha256)
     if on_disk == size and recorded == sha256:
         return True
-    if url is not None:
+    with _STALE_LOCK:  # one line per dataset, not one per shard (a prefetch thread may find one too)
+        first = url is not None and url not in _STALE_REPORTED
+        _STALE_REPORTED.add(url or "")
+    if first:
         log.warning(
             "cached shard %s of %s does not match the manifest (size %d, sha256 %s; the manifest lists %d, %s): "
-            "the dataset at that URL changed, fetching it again",
+            "the dataset at that URL changed; its cached shards that differ are fetched again",
             name,
             url,
             on_disk,
