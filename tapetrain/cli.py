@@ -15,7 +15,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tapetrain.cli_parser import add_function_arguments, call_with, summary
+from tapetrain.cli_parser import add_function_arguments, call_with, drop_launcher_rank, summary
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def run(command: Command, args: argparse.Namespace, prog: str) -> int:
 
 def main(argv: list[str] | None = None, prog: str = "tapetrain") -> int:
     """`tapetrain COMMAND ...`; `prog` names a shim (`python -m tapetrain.train`, the tools/ scripts)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = drop_launcher_rank(list(sys.argv[1:] if argv is None else argv))  # rank comes from the environment
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     command, rest = find_command(argv, prog)
     if command is None:  # help, a bare group or an unknown word: argparse explains and exits

@@ -35,6 +35,26 @@ from collections.abc import Callable
 LAUNCHER_RANK = "local_rank"
 
 
+def drop_launcher_rank(argv: list[str]) -> list[str]:
+    """`argv` without the launcher's rank argument, wherever it is: `deepspeed --module tapetrain.cli eval ppl ...`
+    starts `python -m tapetrain.cli --local_rank=N eval ppl ...`, before the subcommand that would parse it.
+    Spellings: --local_rank=N, --local-rank=N, --local_rank N, --local-rank N."""
+    flags = ("--" + LAUNCHER_RANK, "--local-rank")
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, _ = arg.partition("=")
+        if name in flags and eq:
+            i += 1
+        elif arg in flags and i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit():
+            i += 2
+        else:
+            out.append(arg)
+            i += 1
+    return out
+
+
 def read_docstring(func: Callable) -> tuple[str, dict[str, str]]:
     """(description, {parameter: help}) of a Google-style docstring."""
     doc = inspect.getdoc(func) or ""

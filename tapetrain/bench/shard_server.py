@@ -1,5 +1,5 @@
 """ShardServer: a static file server on 127.0.0.1 (http.server in a thread) with HTTP Range support, per-request
-latency and injectable faults (a connection dropped mid-body, corrupt bytes). It logs every request.
+latency and injectable faults (a connection dropped mid-body, corrupt bytes, an error status). It logs every request.
 
 Used by `tools/benchmark.py data --remote-latency-ms` (object storage with a round-trip time) and by the remote-data
 tests (faults, request counts).
@@ -21,6 +21,7 @@ class ShardServer:
         self.latency_s = latency_s
         self.drop: dict[str, int] = {}  # path -> which GET of it (1-based) sends half its body, then closes
         self.corrupt: set[str] = set()  # paths served with one byte flipped
+        self.status: dict[str, int] = {}  # path -> an error status answered instead of the file (403, 503, ...)
         self.requests: list[tuple[str, str, str | None]] = []
         self._lock = threading.Lock()
         server = self
@@ -45,8 +46,8 @@ class ShardServer:
                 if server.latency_s:
                     time.sleep(server.latency_s)
                 file = server.root / path.lstrip("/")
-                if not file.is_file():
-                    self.send_response(404)
+                if path in server.status or not file.is_file():
+                    self.send_response(server.status.get(path, 404))
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return

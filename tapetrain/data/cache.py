@@ -1,7 +1,9 @@
 """A bounded, node-local cache of remote shards, shared by every rank (and run) on the node through file locks.
 
 Layout under the cache root: one directory per dataset URL (`<sha256(url)[:16]>/`, with `source.txt` naming it),
-holding finished shards under their manifest names and, while downloading, `.NAME.part`. Three kinds of lock,
+holding finished shards under their manifest names and, while downloading, `.NAME.part`; `.verified/NAME` holds
+the sha256 a shard was checked against when it was downloaded. A cached shard is used only when its size and that
+sha256 equal the current manifest's: a dataset replaced at the same URL is fetched again. Three kinds of lock,
 all fcntl.flock (released by the kernel when a process dies, so a SIGKILL leaves no stale lock):
 
   .cache.lock            exclusive, briefly: the size accounting and eviction of the whole cache
@@ -19,6 +21,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import tempfile
 import threading
@@ -27,6 +30,9 @@ from dataclasses import dataclass, field
 
 from tapetrain.data import remote
 from tapetrain.data.errors import DataError
+from tapetrain.data.format import file_sha256
+
+log = logging.getLogger("tapetrain.data")
 
 WAIT_FOR_ROOM_S = 120.0  # how long a read waits for pinned shards to be released before giving up
 
@@ -134,6 +140,67 @@ def _disk_full(root: str, need: str) -> DataError:
     )
 
 
+_STALE_REPORTED: set[str] = set()  # dataset URLs whose changed shards this process has reported
+_STALE_LOCK = threading.Lock()
+
+
+def _verified(d: str, name: str) -> str:
+    return os.path.join(d, ".verified", name)
+
+
+def _current(d: str, name: str, size: int, sha256: str, url: str | None = None) -> bool:
+    """Whether the cached shard `name` is the manifest's: present, of its size, checked against its sha256. A
+    cached shard without a record (a cache written before records existed) is hashed once. With `url` (the
+    download lock held), a present shard that is not current is reported before it is fetched again."""
+    path = os.path.join(d, name)
+    try:
+        on_disk = os.path.getsize(path)
+    except FileNotFoundError:
+        return False
+    try:
+        with open(_verified(d, name), encoding="ascii") as f:
+            recorded = f.read().strip()
+    except FileNotFoundError:
+        recorded = file_sha256(path) if on_disk == size else ""
+        if recorded == sha256:
+            _record(d, name, sha256)
+    if on_disk == size and recorded == sha256:
+        return True
+    with _STALE_LOCK:  # one line per dataset, not one per shard (a prefetch thread may find one too)
+        first = url is not None and url not in _STALE_REPORTED
+        _STALE_REPORTED.add(url or "")
+    if first:
+        log.warning(
+            "cached shard %s of %s does not match the manifest (size %d, sha256 %s; the manifest lists %d, %s): "
+            "the dataset at that URL changed; its cached shards that differ are fetched again",
+            name,
+            url,
+            on_disk,
+            recorded[:12] or "unknown",
+            size,
+            sha256[:12],
+        )
+    return False
+
+
+def _record(d: str, name: str, sha256: str) -> None:
+    """Write the sha256 that shard `name` was checked against (atomically: a reader sees the old or the new)."""
+    os.makedirs(os.path.join(d, ".verified"), exist_ok=True)
+    tmp = _verified(d, name) + f".{os.getpid()}-{threading.get_ident()}.tmp"  # a prefetch thread may race a reader
+    with open(tmp, "w", encoding="ascii") as f:
+        f.write(sha256 + "\n")
+    os.replace(tmp, _verified(d, name))
+
+
+def _forget(d: str, name: str) -> None:
+    """Remove shard `name` and its record (record first: a shard without one is hashed, never trusted)."""
+    for path in (_verified(d, name), os.path.join(d, name)):
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
 class ShardCache:
     """Remote shards of any number of datasets in one directory, at most `limit_bytes` in total."""
 
@@ -173,9 +240,9 @@ class ShardCache:
         pin = _Flock(os.path.join(d, ".locks", name + ".pin"), fcntl.LOCK_SH)
         try:
             path = os.path.join(d, name)
-            if not os.path.exists(path):
+            if not _current(d, name, size, sha256):
                 with _Flock(os.path.join(d, ".locks", name + ".lock")):  # waits while a peer downloads it
-                    if not os.path.exists(path):
+                    if not _current(d, name, size, sha256, url=url):
                         self._download(url, d, name, size, sha256, wait_s=WAIT_FOR_ROOM_S)
                         STATS.add(misses=1)
                         return Pin(path, pin)
@@ -200,13 +267,13 @@ class ShardCache:
 
     def _prefetch(self, url: str, name: str, size: int, sha256: str) -> None:
         d = self.source_dir(url)
-        if os.path.exists(os.path.join(d, name)):
+        if _current(d, name, size, sha256):
             return
         lock = _Flock.try_exclusive(os.path.join(d, ".locks", name + ".lock"))
         if lock is None:
             return  # a peer downloads it
         with lock:
-            if not os.path.exists(os.path.join(d, name)):
+            if not _current(d, name, size, sha256, url=url):
                 try:
                     self._download(url, d, name, size, sha256, wait_s=0.0)
                 except CacheFull:
@@ -219,6 +286,7 @@ class ShardCache:
         part = os.path.join(d, f".{name}.part")
         if os.path.exists(part):  # left by a killed process (we hold the download lock)
             os.remove(part)
+        _forget(d, name)  # a stale shard (another dataset once at this URL) gives its room back
         if self.limit is not None and size > self.limit:
             raise DataError(
                 f"shard {name} of {url} is {size / 1e9:.2f} GB, more than data.cache_limit_gb="
@@ -240,6 +308,7 @@ class ShardCache:
                 remote.download(
                     remote.join(url, name), out, size, sha256, on_bytes=lambda n: STATS.add(bytes_fetched=n)
                 )
+            _record(d, name, sha256)  # before the rename: a shard in place always has its record
             with _Flock(os.path.join(self.root, ".cache.lock")):  # an accounting scan sees the old or the new name
                 os.replace(part, os.path.join(d, name))
         except BaseException:

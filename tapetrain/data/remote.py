@@ -6,7 +6,9 @@ their usual environment variables and config files (AWS_*, GOOGLE_APPLICATION_CR
 fsspec's FSSPEC_<PROTOCOL>_<OPTION> variables set anything else (e.g. FSSPEC_S3_ENDPOINT_URL for MinIO).
 
 Shards are fetched in ranges of `chunk_bytes` (one GET with a Range header each), so a dropped connection costs
-one chunk: the retry resumes at the first byte not yet written. The sha256 is computed while writing.
+one chunk: the retry resumes at the first byte not yet written. The sha256 is computed while writing. Only
+transient failures are retried (tapetrain.data.remote_errors), TAPETRAIN_REMOTE_RETRIES times (default 6) from
+TAPETRAIN_REMOTE_BACKOFF_S (default 0.5 s), doubling.
 """
 
 from __future__ import annotations
@@ -16,11 +18,14 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, BinaryIO
+from urllib.parse import urlsplit
 
+from tapetrain.data import remote_errors
 from tapetrain.data.errors import DataError
 
 log = logging.getLogger("tapetrain.data")
@@ -28,8 +33,9 @@ log = logging.getLogger("tapetrain.data")
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "hf", "http", "https")
 INSTALL_HINT = "install the object-storage extras: pip install 'tapetrain[remote]'"
 CHUNK_BYTES = 16 << 20  # bytes per ranged GET: a dropped connection re-reads at most this much
-RETRIES = 6  # attempts per chunk after the first, with exponential backoff
-BACKOFF_S = 0.5
+# Attempts after the first, with exponential backoff (0.5, 1, 2, 4, 8, 16 s: about 30 s): environment overrides.
+RETRIES = int(os.environ.get("TAPETRAIN_REMOTE_RETRIES", "6"))
+BACKOFF_S = float(os.environ.get("TAPETRAIN_REMOTE_BACKOFF_S", "0.5"))
 
 
 def is_remote(path: str | os.PathLike) -> bool:
@@ -56,60 +62,97 @@ def filesystem(url: str) -> tuple[Any, str]:
         raise DataError(f"reading {url} needs a package that is not installed ({err}); {INSTALL_HINT}") from err
 
 
-def _not_found(err: BaseException) -> bool:
-    return isinstance(err, FileNotFoundError) or getattr(err, "status", None) == 404
-
-
 def _transient(err: BaseException) -> bool:
-    """A failure worth retrying: connection reset, timeout, truncated body, server error."""
-    if _not_found(err) or isinstance(err, (DataError, PermissionError)):
-        return False
-    return isinstance(err, (OSError, TimeoutError, ConnectionError)) or type(err).__module__.startswith(
-        ("aiohttp", "botocore", "aiobotocore", "urllib3", "requests", "fsspec")
-    )
+    """A failure worth retrying: connection reset or refused, timeout, truncated body, server error."""
+    return remote_errors.kind(err) == "transient"
 
 
-def read_bytes(url: str, start: int | None = None, end: int | None = None, retries: int = RETRIES) -> bytes:
-    """The object's bytes [start, end) (all of it by default), retried with backoff on transient errors.
+class _Endpoint:
+    """Retries of one endpoint (scheme and host), shared by every thread of the process: while one reader retries,
+    the others wait for its answer instead of retrying (and logging) in parallel, and once it gave up every read
+    of that endpoint fails at once with the same message."""
 
-    Raises DataError naming the object when it does not exist or keeps failing."""
+    _all: dict[str, _Endpoint] = {}
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.retrying = threading.Lock()
+        self.gave_up: str | None = None
+
+    @classmethod
+    def of(cls, url: str) -> _Endpoint:
+        parts = urlsplit(url)
+        key = f"{parts.scheme}://{parts.netloc}"
+        with cls._lock:
+            return cls._all.setdefault(key, cls())
+
+    @classmethod
+    def forget(cls) -> None:
+        with cls._lock:
+            cls._all.clear()
+
+
+def forget_failures() -> None:
+    """Let endpoints that this process gave up on be tried again (tests start and stop servers)."""
+    _Endpoint.forget()
+
+
+def _read_once(fs: Any, path: str, start: int | None, end: int | None) -> bytes:
+    return fs.cat_file(path, start=start, end=end)
+
+
+def read_bytes(url: str, start: int | None = None, end: int | None = None, retries: int | None = None) -> bytes:
+    """The object's bytes [start, end) (all of it by default). Transient failures are retried with backoff
+    (`retries` times, default TAPETRAIN_REMOTE_RETRIES), once per endpoint however many threads read from it;
+    permanent ones (not found, credentials, access denied, DNS) are not.
+
+    Raises DataError naming the object and the fix."""
+    retries = RETRIES if retries is None else retries
     fs, path = filesystem(url)
-    for attempt in range(retries + 1):
-        try:
-            data = fs.cat_file(path, start=start, end=end)
-        except Exception as err:
-            if _not_found(err):
-                raise DataError(
-                    f"{url} does not exist (404 / not found); check the data path, or re-upload the "
-                    "dataset with `tapetrain data prepare --out URL`"
-                ) from err
-            if not _transient(err) or attempt == retries:
-                raise DataError(
-                    f"cannot read {url} ({type(err).__name__}: {err}); check the URL, network and "
-                    "credentials (the usual environment variables and config files)"
-                ) from err
+    endpoint = _Endpoint.of(url)
+    if endpoint.gave_up:
+        raise DataError(endpoint.gave_up)
+    try:
+        data = _read_once(fs, path, start, end)
+    except Exception as err:
+        if not _transient(err) or retries <= 0:
+            raise remote_errors.describe(url, err, retries) from err
+        data = _retry(fs, path, url, start, end, retries, endpoint, err)
+    return _checked_length(url, data, start, end)
+
+
+def _retry(fs: Any, path: str, url: str, start: int | None, end: int | None, retries: int, endpoint: _Endpoint,
+           first: Exception) -> bytes:
+    with endpoint.retrying:  # one thread retries an endpoint at a time; the others wait for its outcome
+        if endpoint.gave_up:
+            raise DataError(endpoint.gave_up) from first
+        err: Exception = first
+        for attempt in range(retries):
             delay = BACKOFF_S * 2**attempt
-            log.warning(
-                "reading %s failed (%s: %s); retry %d/%d in %.1fs",
-                url,
-                type(err).__name__,
-                err,
-                attempt + 1,
-                retries,
-                delay,
-            )
+            log.warning("reading %s failed (%s: %s); retry %d/%d in %.1fs", url, type(err).__name__, err,
+                        attempt + 1, retries, delay)
             time.sleep(delay)
-            continue
-        if start is not None and end is not None and len(data) != end - start:
-            if len(data) > end - start and len(data) >= end:  # the server ignored Range: the whole object
-                data = data[start:end]
-            else:  # a complete response (a dropped one raises above): the object is shorter than listed
-                raise DataError(
-                    f"{url}: asked for bytes [{start}, {end}) and got {len(data)}; the object is "
-                    "shorter than its manifest lists: re-upload the dataset"
-                )
-        return data
-    raise AssertionError("unreachable")
+            try:
+                return _read_once(fs, path, start, end)
+            except Exception as again:
+                err = again
+                if not _transient(err):
+                    raise remote_errors.describe(url, err, retries) from err
+        error = remote_errors.describe(url, err, retries)
+        endpoint.gave_up = str(error)
+        raise error from err
+
+
+def _checked_length(url: str, data: bytes, start: int | None, end: int | None) -> bytes:
+    if start is not None and end is not None and len(data) != end - start:
+        if len(data) > end - start and len(data) >= end:  # the server ignored Range: the whole object
+            return data[start:end]
+        # a complete response (a dropped one raises above): the object is shorter than listed
+        raise DataError(
+            f"{url}: asked for bytes [{start}, {end}) and got {len(data)}; the object is "
+            "shorter than its manifest lists: re-upload the dataset"
+        )
+    return data
 
 
 @lru_cache(maxsize=64)

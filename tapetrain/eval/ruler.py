@@ -28,6 +28,7 @@ import time
 from typing import Literal
 
 from tapetrain.errors import InputError, MissingInputError, MissingPackageError
+from tapetrain.eval.bounded import bounded
 
 log = logging.getLogger("tapetrain.eval")
 
@@ -37,7 +38,11 @@ QA_TASKS = ("ruler_qa_squad", "ruler_qa_hotpot")
 TASKS = OFFLINE_TASKS + ESSAY_TASKS + QA_TASKS
 DEFAULT_SAMPLES = 100  # per task and length; RULER itself generates 500
 HF_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-INSTALL = 'pip install "tapetrain[lm-eval]"'
+INSTALL = 'pip install -e ".[lm-eval]" (from a clone of tapetrain)'  # how tapetrain is installed (README)
+VT_ICL_LENGTH = 500  # lm-eval sizes ruler_vt's in-context example to this many tokens, whatever the task's length
+VT_ANSWER = 30  # ruler_vt's answer budget (tokens_to_generate), counted by its generator in every length
+DEFAULT_TIME_LIMIT_MIN = 120.0  # per length: lm-eval's generators loop forever on inputs they cannot size
+OUTPUT_LIMIT_BYTES = 1 << 20  # lm-eval's prints per length (its generators print a line per try)
 
 
 def require_lm_eval():
@@ -69,37 +74,75 @@ def resolve_tasks(tasks: list[str] | None) -> list[str]:
     return chosen
 
 
+def _vt_tokens(tokenizer, noises: int, icl: bool, draws: int = 8) -> int:
+    """The most tokens (prompt + answer) among `draws` of lm-eval's own ruler_vt prompts with `noises` noise lines
+    (random variable names tokenize to different lengths); the global RNGs are left as they were."""
+    import random
+
+    import numpy as np
+    from lm_eval.tasks.ruler import vt_utils
+
+    state = random.getstate(), np.random.get_state()
+    random.seed(0)
+    np.random.seed(0)
+    try:
+        longest = 0
+        for _ in range(draws):
+            text, answer = vt_utils.generate_input_output(noises, 1, 4, is_icl=icl)
+            longest = max(longest, len(tokenizer(text + " " + " ".join(answer)).input_ids))
+        return longest
+    finally:
+        random.setstate(state[0])
+        np.random.set_state(state[1])
+
+
+def impossible_tasks(tokenizer, tasks: list[str]) -> dict[str, int]:
+    """Tasks that no length can run with this tokenizer -> the tokens they would need. ruler_vt: lm-eval sizes its
+    in-context example to VT_ICL_LENGTH tokens, starting from 5 noise lines; when that smallest example (plus the
+    answer budget) is longer, its generator retries forever, printing a line per try."""
+    if "ruler_vt" not in tasks:
+        return {}
+    icl = _vt_tokens(tokenizer, 5, icl=True) + VT_ANSWER
+    return {"ruler_vt": icl} if icl > VT_ICL_LENGTH else {}
+
+
 def minimum_lengths(tokenizer, tasks: list[str]) -> dict[str, int]:
     """A conservative shortest max_seq_length per task with this tokenizer (prompt template + the smallest
-    haystack lm-eval's generator settles on + the task's answer budget)."""
-    from lm_eval.tasks.ruler import cwe_utils, fwe_utils, niah_utils, vt_utils
+    haystack lm-eval's generator settles on + the task's answer budget + an in-context example)."""
+    from lm_eval.tasks.ruler import cwe_utils, fwe_utils, niah_utils
 
     def count(text: str) -> int:
         return len(tokenizer(text).input_ids)
 
-    noise = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
     needle = "One of the special magic numbers for abundant-example is: 1234567. "
     words = " ".join(f"{i}. adjective" for i in range(1, 71))  # cwe's shortest list: 10 words x 6 + 10
     niah = count(niah_utils.TEMPLATE) + 4 * count(needle) + 128 + 32
-    # vt: its in-context example is sized to 500 tokens, then the task itself needs at least 10 noise lines (its
-    # generator retries forever below that); 20 lines and a 5-hop chain keep a margin
-    vt = 500 + count(vt_utils.TEMPLATE) + 20 * count(noise) + 5 * count("VAR QWERT = VAR ASDFG ") + 30
     minimum = {
-        "ruler_vt": vt,
         "ruler_cwe": count(cwe_utils.TEMPLATE) + count(words) + 120,
         "ruler_fwe": 2 * count(fwe_utils.TEMPLATE) + 50 + 200,
     }
+    if "ruler_vt" in tasks:
+        # the task's first try has 10 noise lines (below that its generator retries forever), next to an
+        # in-context example of at most VT_ICL_LENGTH tokens
+        minimum["ruler_vt"] = _vt_tokens(tokenizer, 10, icl=False) + VT_ANSWER + VT_ICL_LENGTH
     return {task: minimum.get(task, niah) for task in tasks}
 
 
 def check_lengths(tokenizer, tasks: list[str], lengths: list[int]) -> None:
+    impossible = impossible_tasks(tokenizer, tasks)
+    for task, need in impossible.items():
+        others = " ".join(t for t in tasks if t != task) or "niah_single_1"
+        raise InputError(f"RULER task {task} cannot run with this tokenizer at any length: lm-eval sizes its "
+                         f"in-context example to {VT_ICL_LENGTH} tokens, and with this tokenizer the smallest one "
+                         f"needs {need} tokens (lm-eval's generator would retry forever); leave it out: --tasks "
+                         f"{others}")
     short = {task: need for task, need in minimum_lengths(tokenizer, tasks).items() if min(lengths) < need}
     if short:
         worst = max(short.values())
         raise InputError(f"RULER length {min(lengths)} is too short for {', '.join(sorted(short))} with this "
-                         f"tokenizer (their prompt template, smallest haystack and answer budget need about "
-                         f"{worst} tokens; lm-eval's generators never finish below that): use lengths >= {worst} or "
-                         "leave those tasks out")
+                         f"tokenizer (their prompt template, smallest haystack, in-context example and answer budget "
+                         f"need about {worst} tokens; lm-eval's generators never finish below that): use lengths >= "
+                         f"{worst} or leave those tasks out")
 
 
 def check_export(path: str) -> None:
@@ -149,7 +192,7 @@ def summarize(records: list[dict], lengths: list[int], tasks: list[str]) -> list
 def evaluate_ruler(
     export_dir: str, lengths: list[int], tasks: list[str] | None = None, samples: int = DEFAULT_SAMPLES, *,
     batch_size: int = 1, dtype: str = "fp32", seed: int = 0, max_new_tokens: int | None = None,
-    keep_prompts: bool = False, device: str | None = None,
+    keep_prompts: bool = False, device: str | None = None, time_limit_min: float = DEFAULT_TIME_LIMIT_MIN,
 ) -> dict:
     """Run lm-eval's RULER `tasks` on `export_dir` at every length; the result dict `eval ruler --out` writes:
     {model, tasks, samples, seed, dtype, lm_eval, results: summarize(), records: [per sample]}."""
@@ -168,6 +211,8 @@ def evaluate_ruler(
     lengths = sorted(set(lengths))
     if samples < 1:
         raise InputError(f"--samples must be >= 1, got {samples}")
+    if not time_limit_min > 0:
+        raise InputError(f"--time-limit-min must be > 0, got {time_limit_min}")
     tokenizer = AutoTokenizer.from_pretrained(export_dir, trust_remote_code=True)
     check_lengths(tokenizer, tasks, lengths)
     needs_network = [t for t in tasks if t in QA_TASKS]
@@ -187,9 +232,14 @@ def evaluate_ruler(
         # tasks to this one length and names the tokenizer.
         manager = TaskManager(include_path=ruler_dir, include_defaults=False,
                               metadata={"max_seq_lengths": [length], "pretrained": export_dir})
-        out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=samples, log_samples=True,
-                                      gen_kwargs=gen_kwargs, bootstrap_iters=0, random_seed=seed,
-                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        late = (f"tapetrain eval ruler: error: lm-eval did not finish length {length} within --time-limit-min="
+                f"{time_limit_min:g} ({', '.join(tasks)}, {samples} samples); raise --time-limit-min if it was only "
+                "slow, or leave out the task whose data generation does not finish (its log lines above)")
+        with bounded(60 * time_limit_min, late, OUTPUT_LIMIT_BYTES):
+            out = lm_eval.simple_evaluate(model=lm, tasks=tasks, task_manager=manager, limit=samples,
+                                          log_samples=True, gen_kwargs=gen_kwargs, bootstrap_iters=0,
+                                          random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                          fewshot_random_seed=seed)
         for task in tasks:
             records += [sample_record(s, task, length, keep_prompts) for s in out["samples"][task]]
         log.info("ruler@%d: done in %.0f s", length, time.perf_counter() - start)
@@ -224,11 +274,13 @@ def run_eval_ruler(
     max_new_tokens: int | None = None,
     out: str | None = None,
     plot: str | None = None,
+    time_limit_min: float = DEFAULT_TIME_LIMIT_MIN,
 ) -> dict:
     """RULER's synthetic long-context tasks through lm-evaluation-harness on a Hugging Face export.
 
     lm-eval generates each task's prompts with the export's tokenizer at every length and decodes greedily;
-    tapetrain collects the per-sample scores (mean over tasks per length). Needs `pip install "tapetrain[lm-eval]"`.
+    tapetrain collects the per-sample scores (mean over tasks per length). Needs `pip install -e ".[lm-eval]"` in a
+    clone of tapetrain.
 
     Args:
         model_path: Hugging Face export directory (tapetrain export hf; RoPE models export as plain Llama)
@@ -244,9 +296,11 @@ def run_eval_ruler(
             cwe 120, fwe 50, qa 32)
         out: result JSON (per-length scores and every sample)
         plot: PNG of the RULER score vs length
+        time_limit_min: minutes lm-eval may take per length (data generation and decoding); beyond it the job
+            stops with exit status 1 (lm-eval's generators loop forever on prompts they cannot size)
     """
     report = evaluate_ruler(model_path, lengths, tasks, samples, batch_size=batch_size, dtype=dtype, seed=seed,
-                            max_new_tokens=max_new_tokens)
+                            max_new_tokens=max_new_tokens, time_limit_min=time_limit_min)
     print(format_ruler_table(report))
     if out:
         from tapetrain.eval.report import write_json_atomic

@@ -19,8 +19,10 @@ from tapetrain.distributed import DistEnv, agree
 from tapetrain.errors import ConfigError
 from tapetrain.model import ModelConfig, Transformer
 from tapetrain.parallel import ParallelLayout
+from tapetrain.train import resume_checks
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
 from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, ROPE_FIELDS, build_model, resolve_model_config
+from tapetrain.train.start_checks import check_attention_backend
 from tapetrain.train.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -100,11 +102,13 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
                 raise ConfigError(f"the data was tokenized with vocab {dataset.vocab_size} but model.init_from="
                                   f"{cfg.model.init_from} has vocab_size={vocab}; prepare the data with the "
                                   "checkpoint's tokenizer (`tapetrain data prepare --tokenizer CHECKPOINT_DIR`)")
+        check_attention_backend(model_config, env.device)
         if train.document_mask and model_config.s2_attn:
             raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document "
                               "mask; set model.s2_attn=false or data.document_mask=false")
         paths = [s.path for s in [*cfg.data.train, *cfg.data.val]]
-        checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer, tokenizer_origin))
+        checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer, tokenizer_origin),
+                                         resume_checks.data_settings(cfg, train))
         found.update(resume=resume, train_dataset=train, val_dataset=val)
 
     agree(env, check)

@@ -107,6 +107,7 @@ class CheckpointManager:
         self.run_dir = Path(cfg.run.out_dir)
         self.resume: ResumePoint | None = None
         self.tokenizer_sha256: str | None = None  # recorded in every checkpoint, compared at the next resume
+        self.data_settings: dict | None = None  # the same: what a step trains on
         self.checkpoint_bytes = 0  # expected size of one checkpoint (checked against free space before each save)
         self._universal: Path | None = None
         self._skipped: list[Path] = []  # damaged/incomplete checkpoints passed over (set aside after the load)
@@ -126,9 +127,11 @@ class CheckpointManager:
             resume_checks.check_same_model(checkpoint, self.model_config, self.run_dir)
         return self.resume
 
-    def check_training_setup(self, tokenizer_sha256: str | None) -> None:
-        """The trainable set, LoRA adapters and the data's tokenizer must be the checkpoint's (after check())."""
+    def check_training_setup(self, tokenizer_sha256: str | None, data_settings: dict | None = None) -> None:
+        """The trainable set, LoRA adapters and the data's tokenizer must be the checkpoint's (after check()).
+        `data_settings` (resume_checks.data_settings) is recorded in every checkpoint; a change is logged."""
         self.tokenizer_sha256 = tokenizer_sha256
+        self.data_settings = data_settings
         if self.resume:
             resume_checks.check_same_training_setup(self.resume.checkpoint, self.resume.state, self.cfg,
                                                     tokenizer_sha256)
@@ -278,6 +281,7 @@ class CheckpointManager:
         start = point.progress
         apply_config_settings(engine, scheduler, cfg, start.step, hyperparameters)
         changes = resume_checks.setting_changes(point.state, cfg, self.run_dir)
+        changes += resume_checks.data_setting_changes(point.state, self.data_settings)
         if changes:
             log.warning("resuming with changed settings, applied from step %d on: %s", start.step + 1,
                         "; ".join(changes))
@@ -359,6 +363,7 @@ class CheckpointManager:
             "skipped_steps": progress.skipped_steps,
             "tokenizer_sha256": self.tokenizer_sha256,
             **resume_checks.training_settings(cfg),
+            "data_settings": self.data_settings,
         }
         # below the collective timeout: the other ranks wait for rank 0 in wait_for_save()'s agreement
         hash_timeout_s = cfg.deepspeed.timeout_minutes * 60 / 2

@@ -4,7 +4,8 @@ A rank that hangs (SIGSTOP, a stuck kernel, a dead machine) leaves the others bl
 until deepspeed.timeout_minutes; the error torch then raises says only that a receive timed out. So a tiny daemon
 thread on every rank rewrites RUN_DIR/heartbeats/rankN.json every HEARTBEAT_SECONDS with the step it is on; the
 rank whose collective timed out reads the others' files and names the ranks whose heartbeat stopped or that are
-behind its step. A stopped process stops its thread too; a rank stuck in a kernel keeps beating at an old step.
+behind its step. A stopped process stops its thread too; a rank stuck in a kernel keeps beating at an old step. A
+rank whose process is gone (killed, crashed) is named as dead, not as late: its peers see its connection close.
 Heartbeat times are wall-clock seconds: across machines they assume synchronised clocks (NTP), as logs do.
 """
 
@@ -28,14 +29,26 @@ def heartbeat_path(run_dir: Path, rank: int) -> Path:
 
 
 class Heartbeat:
-    """Writes this rank's heartbeat file from a daemon thread until stop(); `step` is the step being worked on."""
+    """Writes this rank's heartbeat file from a daemon thread until stop(); `step` is the step being worked on.
+    Setting `step` wakes the thread, so the file names the step a rank was on when it died, not one from up to
+    HEARTBEAT_SECONDS earlier (the write stays off the training thread)."""
 
     def __init__(self, run_dir: Path, rank: int, step: int):
         self.path = heartbeat_path(run_dir, rank)
         self.rank = rank
-        self.step = step
+        self._step = step
         self._stopped = threading.Event()
+        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._beat, name=f"tapetrain-heartbeat-{rank}", daemon=True)
+
+    @property
+    def step(self) -> int:
+        return self._step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self._step = value
+        self._wake.set()
 
     def start(self) -> Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -45,9 +58,14 @@ class Heartbeat:
 
     def stop(self) -> None:
         self._stopped.set()
+        self._wake.set()
 
     def _beat(self) -> None:
-        while not self._stopped.wait(HEARTBEAT_SECONDS):
+        while True:
+            self._wake.wait(HEARTBEAT_SECONDS)
+            self._wake.clear()
+            if self._stopped.is_set():
+                return
             try:
                 self._write()
             except OSError:  # a full or vanished disk: the save path reports it; never kill the rank from here
@@ -56,7 +74,7 @@ class Heartbeat:
     def _write(self) -> None:
         record = {
             "rank": self.rank,
-            "step": self.step,
+            "step": self._step,
             "time": time.time(),
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -80,9 +98,26 @@ class RankBeat:
         if self.age_s is None:
             return f"rank {self.rank}: no heartbeat"
         return (
-            f"rank {self.rank}: last heartbeat {self.age_s:.0f} s ago, at step {self.step}, host {self.host} "
+            f"rank {self.rank}: last heartbeat {self.age_s:.0f} s ago, working on step {self.step}, host {self.host} "
             f"pid {self.pid}"
         )
+
+    def describe_dead(self) -> str:
+        return (f"rank {self.rank}: process {self.pid} on {self.host} is gone, its connection closed; last "
+                f"heartbeat {self.age_s:.0f} s ago, working on step {self.step}")
+
+    def process_gone(self) -> bool:
+        """Whether this rank's process has ended (only known for a process on this host)."""
+        if self.pid is None or self.host != socket.gethostname():
+            return False
+        try:
+            import psutil
+
+            return psutil.Process(self.pid).status() == psutil.STATUS_ZOMBIE  # killed, not yet reaped
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:
+            return False
 
 
 def read_beats(run_dir: Path, world_size: int, skip_rank: int) -> list[RankBeat]:

@@ -68,6 +68,9 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
         model_config = resolve_model_config(cfg)
     except FileNotFoundError as err:
         raise ConfigError(f"model.init_from={cfg.model.init_from!r}: {err}") from err
+    if cfg.data.document_mask and model_config.s2_attn:  # as a start refuses it (tapetrain.train.build)
+        raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document mask; set "
+                          "model.s2_attn=false or data.document_mask=false")
     total, trainable = _parameter_counts(cfg, model_config)
     accum = cfg.grad_accum_steps(world)
     layout = ParallelLayout(world, cfg.parallel.sequence_parallel)
@@ -141,11 +144,13 @@ def dry_run(cfg: RunConfig, env: DistEnv) -> int:
         run_config_as_written,
     )
     from tapetrain.train.checkpointing import CheckpointManager
+    from tapetrain.train.start_checks import check_remote_data
 
     model_config = resolve_model_config_agreed(cfg, env)
     cfg, tokenizer_origin = run_config_as_written(cfg, model_config)  # the tokenizer a start would adopt
     build_deepspeed_config(cfg, env.world_size)
     start = check_before_start(cfg, env, model_config, CheckpointManager(cfg, env, model_config), tokenizer_origin)
+    agree(env, lambda: check_remote_data(cfg, start.train_dataset, start.val_dataset), on_main_only=True)
     total, trainable = _parameter_counts(cfg, model_config)
     d = cfg.deepspeed
     needed = disk.checkpoint_bytes(total, trainable, d.precision, d.zero_stage, env.world_size,

@@ -5,7 +5,9 @@ resume compares the resolved model config with the checkpoint's model_config.jso
 except in EXECUTION_ONLY_MODEL_FIELDS (how the same function is computed). The trainable parameter set, the LoRA
 adapters and the tokenizer are part of what a checkpoint means too. Optimizer settings, the schedule and the
 batch size may change: the config wins from the resumed step on, and these helpers describe what changed so the
-log says it. tapetrain.train.checkpointing.CheckpointManager applies these rules; nothing else calls them.
+log says it. So may the data settings that decide what a step trains on (the mixture and its weights, seq_len,
+packing, the document mask, answer-only loss): a resume accepts them and names each change, old -> new.
+tapetrain.train.checkpointing.CheckpointManager applies these rules; nothing else calls them.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -104,6 +106,46 @@ def training_settings(cfg: RunConfig) -> dict:
         "trainable": cfg.train.trainable,
         "lora": to_plain(cfg.train.lora),
     }
+
+
+def data_settings(cfg: RunConfig, train: Any) -> dict:
+    """What a training step trains on, as the opened training dataset resolved it (null config values filled in):
+    recorded in every checkpoint, and a resume names each one that changed."""
+    from tapetrain.data.supervised import SupervisedDataset
+
+    first = train.datasets[0] if hasattr(train, "datasets") else train  # a mixture's sources are of one kind
+    supervised = isinstance(first, SupervisedDataset)
+    return {
+        "train": [{"path": s.path, "weight": float(s.weight)} for s in cfg.data.train],
+        "seq_len": int(train.seq_len),
+        "packing": bool(cfg.data.packing) if supervised else False,  # token shards are always packed
+        "document_mask": bool(train.document_mask),
+        "answer_only": supervised,  # example stores: the loss is on the answers only
+    }
+
+
+# How each data setting is named in the resume's changed-settings line.
+DATA_SETTING_NAMES = {"train": "data.train", "seq_len": "data.seq_len", "packing": "data.packing",
+                      "document_mask": "data.document_mask",
+                      "answer_only": "answer-only loss (example stores in data.train)"}
+
+
+def _mixture(value: list[dict]) -> str:
+    return "[" + ", ".join(f"{s['path']} (weight {s['weight']})" for s in value) + "]"
+
+
+def data_setting_changes(state: dict, now: dict | None) -> list[str]:
+    """'data.document_mask: True -> False'-style lines for every data setting that differs from the checkpoint's
+    (checkpoints written before these were recorded: none)."""
+    saved = state.get("data_settings")
+    if not saved or now is None:
+        return []
+    changes = []
+    for key, name in DATA_SETTING_NAMES.items():
+        if key in saved and saved[key] != now[key]:
+            old, new = (_mixture(saved[key]), _mixture(now[key])) if key == "train" else (saved[key], now[key])
+            changes.append(f"{name}: {old} -> {new}")
+    return changes
 
 
 def _saved_settings(state: dict, run_dir: Path) -> dict | None:

@@ -36,8 +36,9 @@ def train(config: str, overrides: list[str] | None = None, print_config: bool = 
         print_config: print the resolved config, the DeepSpeed JSON, gradient accumulation, tokens per step and the
             memory estimate per GPU, then exit (reads no data, starts nothing)
         world_size: with --print-config: derive for N ranks (default: $WORLD_SIZE, else 1)
-        dry_run: check config, data, tokenizer, resume compatibility and free disk space as a start would, write
-            nothing and exit before training (works under a launcher too)
+        dry_run: check config, data, tokenizer, resume compatibility, the attention backend and free disk space
+            as a start would, and for remote data the cache directory, data.cache_limit_gb against the shard sizes
+            and every shard's presence (HEAD); write nothing and exit before training (works under a launcher too)
     """
     caller_had_a_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     code = train_from_args(config, overrides or [], print_config=print_config, dry_run=dry_run,

@@ -217,6 +217,7 @@ class Trainer:
         log.info("data.document_mask: %.1f tokens per document in the first micro batch; the mask skips %.1f%% of "
                  "the causal 128x128 attention tiles (what block-sparse attention skips)", per_doc, 100 * skipped)
 
+    @torch.no_grad()  # no autograd graph: validation never calls backward, and a graph costs activation memory
     def validate(self) -> dict:
         """Token-weighted mean loss over the same validation samples on any number of ranks (train/validation)."""
         from tapetrain.progress import progress as progress_bar
@@ -275,7 +276,11 @@ class Trainer:
         except RuntimeError as err:  # torch's collective timeouts and lost peers
             self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
             step = heartbeat.step if heartbeat else self.step + 1
-            missing = self._missing_ranks(step)
+            beats = read_beats(self.run_dir, self.env.world_size, self.env.rank) if self.env.world_size > 1 else []
+            dead = [b for b in beats if b.process_gone()]
+            if dead:  # a peer that died closes its connections at once: not a timeout
+                raise self._dead_ranks_error(step, dead) from err
+            missing = missing_ranks(beats, step)
             if not missing:
                 raise
             raise self._hung_ranks_error(step, missing) from err
@@ -380,11 +385,14 @@ class Trainer:
                 break
         return last_saved
 
-    def _missing_ranks(self, step: int) -> list[RankBeat]:
-        """The other ranks that cannot have reached this rank's collective of `step` (none on one rank)."""
-        if self.env.world_size == 1:
-            return []
-        return missing_ranks(read_beats(self.run_dir, self.env.world_size, self.env.rank), step)
+    def _dead_ranks_error(self, step: int, dead: list[RankBeat]) -> RunError:
+        ranks = ", ".join(str(b.rank) for b in dead)
+        return RunError(
+            f"step {step}: rank(s) {ranks} died ({'; '.join(b.describe_dead() for b in dead)}). The job stops: find "
+            "out why in that rank's log and dmesg (the OOM killer, a SIGKILL from the scheduler, a crash), then start "
+            f"the same command again (train.resume=auto resumes from the last checkpoint in "
+            f"{self.run_dir / store.CHECKPOINTS})"
+        )
 
     def _hung_ranks_error(self, step: int, missing: list[RankBeat]) -> RunError:
         """The job cannot go on without the missing ranks: name the step, the ranks and what to do."""

@@ -186,6 +186,36 @@ def test_a_stopped_rank_ends_the_job_naming_the_step_and_the_rank(tmp_path, shar
     assert "deepspeed.timeout_minutes=0.2" in output and "last heartbeat" in output
 
 
+def test_a_killed_rank_is_named_as_dead_with_its_last_step(tmp_path, shard_dir):
+    """Issue #40: SIGKILL of rank 1 of a sequence-parallel run: the survivor said rank 1 "did not arrive at a
+    collective within deepspeed.timeout_minutes=30" with a heartbeat steps behind. Now the dead rank is named as
+    dead (its process gone, its connection closed) at once, with the step it was on."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "k.yaml", shard_dir, out, train={"steps": 5000, "save_interval": 0},
+                       parallel={"sequence_parallel": 2}, deepspeed={"timeout_minutes": 0.5})
+    job = subprocess.Popen(launcher_cmd(cfg, 2), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while len(losses_so_far(out)) < 3:
+            assert time.time() < deadline and job.poll() is None, "the job did not start training"
+            time.sleep(0.05)
+        os.kill(rank_process(job.pid, 1), signal.SIGKILL)
+        since = time.time()
+        output, _ = job.communicate(timeout=150)
+        elapsed = time.time() - since
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode != 0 and elapsed < 25, (elapsed, output[-3000:])  # well within the 30 s timeout
+    assert "did not arrive" not in output, output[-3000:]
+    found = re.search(r"step (\d+): rank\(s\) 1 died \(rank 1: process (\d+) on \S+ is gone.*?working on step (\d+)",
+                      output)
+    assert found, output[-3000:]
+    step, beat_step = int(found.group(1)), int(found.group(3))
+    assert step >= max(losses_so_far(out)) and beat_step >= step - 1, found.group(0)
+
+
 def losses_so_far(run_dir: Path) -> dict[int, float]:
     """The complete lines of a metrics.jsonl that is still being written."""
     path = run_dir / "metrics.jsonl"

@@ -57,6 +57,19 @@ def copy_of(base_run: Path, data: Path, tmp_path: Path, **sections) -> tuple[Pat
     return write_config(tmp_path / "c.yaml", data, out, **sections), out
 
 
+def test_resume_names_every_changed_data_setting(base_run, small_shard_dir, shard_dir, tmp_path):
+    """Issue #40: switching what a step trains on at a resume (the document mask, seq_len, the mixture and its
+    weights) was silent: the changed-settings line listed only train.steps. Now each is named, old -> new."""
+    cfg, _ = copy_of(base_run, small_shard_dir, tmp_path)
+    mixture = f"data.train=[{{path: {small_shard_dir}, weight: 1}}, {{path: {shard_dir}, weight: 3}}]"
+    proc = run(launcher_cmd(cfg, 2, "train.steps=4", "data.document_mask=true", "data.seq_len=32", mixture))
+    line = next(x for x in (proc.stdout + proc.stderr).splitlines() if "resuming with changed settings" in x)
+    for change in ("data.document_mask: False -> True", "data.seq_len: 64 -> 32",
+                   f"data.train: [{small_shard_dir} (weight 1.0)] -> [{small_shard_dir} (weight 1.0), {shard_dir} "
+                   "(weight 3.0)]", "train.steps: 3 -> 4"):
+        assert change in line, (change, line)
+
+
 def test_resume_refuses_a_changed_model(base_run, small_shard_dir, tmp_path):
     """pe=rope or n_layers=1 used to train on (into the original run), n_layers=3 died in the universal conversion
     leaving a dangling latest_universal; same rank count: raw load_state_dict errors."""

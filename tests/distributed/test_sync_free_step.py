@@ -24,3 +24,15 @@ def test_host_reads_per_step_do_not_grow_with_accumulation(shard_dir, tmp_path):
     assert (one["grad_accum_steps"], four["grad_accum_steps"]) == (1, 4)
     assert four["ours_per_step"] == one["ours_per_step"], (one["ours"], four["ours"])
     assert four["ours_per_step"] <= 2, four["ours"]  # the reduced totals and the grad norm
+
+
+def test_validation_builds_no_autograd_graph(shard_dir, tmp_path):
+    """Issue #40: Trainer.validate runs without gradients: autograd saves no tensor for a backward pass."""
+    probe = Path(__file__).parent / "validation_graph_probe.py"
+    cfg = write_config(tmp_path / "v.yaml", shard_dir, tmp_path / "run",
+                       data={"val": str(shard_dir)}, train={"eval_steps": 1})  # fmt: skip
+    out = tmp_path / "v.json"
+    run([sys.executable, str(probe), str(cfg), str(out)])
+    result = json.loads(out.read_text())
+    assert result["saved_for_backward"] == 0, result
+    assert result["training_mode"] and result["val_loss"] > 0, result

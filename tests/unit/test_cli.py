@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tapetrain.cli import build_parser, main
+from tapetrain.cli import COMMANDS, build_parser, main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -124,6 +124,23 @@ def test_train_takes_the_launcher_rank_and_overrides_after_options(capsys) -> No
     assert main(["train", config, "--print-config", "--world-size", "2", "train.steps=9"]) == 0
     out = capsys.readouterr().out
     assert "(9 steps)" in out and "ranks: 2" in out
+
+
+@pytest.mark.parametrize("rank", [["--local_rank=1"], ["--local-rank=1"], ["--local_rank", "1"], ["--local-rank", "1"]])
+def test_the_launcher_rank_is_accepted_anywhere_by_every_command(rank, capsys) -> None:
+    """Issue #40: the deepspeed launcher puts --local_rank=N before the subcommand (`--module tapetrain.cli`)."""
+    config = str(REPO / "configs" / "tiny-cpu.yaml")
+    assert main([*rank, "train", config, "--print-config", "train.steps=7"]) == 0
+    assert main(["train", *rank, config, "--print-config"]) == 0
+    assert main(["train", config, "--print-config", *rank]) == 0
+    capsys.readouterr()
+    for command in COMMANDS:  # every command's help parses with the rank before, inside and after it
+        words = command.name.split()
+        for argv in ([*rank, *words, "--help"], [*words, *rank, "--help"]):
+            with pytest.raises(SystemExit) as stop:
+                main(argv)
+            assert stop.value.code == 0, argv
+    capsys.readouterr()
 
 
 @pytest.mark.parametrize(("script", "command"), [("tools/convert_to_hf.py", "export hf"),

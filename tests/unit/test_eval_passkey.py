@@ -166,3 +166,29 @@ def test_needle_grid_cells_heatmap_batches_and_two_ranks(setup, tmp_path):
     assert two["world_size"] == 2
     assert two["cells"] == one["cells"]
     assert [r["records"] for r in two["results"]] == [r["records"] for r in one["results"]]
+
+
+@pytest.mark.slow
+def test_the_documented_deepspeed_launch_of_eval_passkey_and_ppl(setup, tmp_path):
+    """Issue #40: `deepspeed --num_gpus 2 --module tapetrain.cli eval passkey|ppl ...` (the documented launch) put
+    --local_rank=N before the subcommand and both ranks exited 2; one small launch of each on 2 CPU ranks."""
+    import random
+    import shutil
+
+    import numpy as np
+
+    _, hf, _ = setup
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(1).integers(3, 100, 600).astype(np.uint16).tofile(tokens)
+    deepspeed = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                             "MASTER_PORT")}
+    jobs = {"passkey": ["passkey", str(hf), "--protocol", "tapetrain", "--lengths", "128", "--trials", "2"],
+            "ppl": ["ppl", str(hf), "--data", str(tokens), "--lengths", "64"]}
+    for name, args in jobs.items():
+        cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(random.randint(20000, 40000)), "--module",
+               "tapetrain.cli", "eval", *args, "--out", str(tmp_path / f"{name}.json")]
+        proc = subprocess.run(cmd, env={**env, "OMP_NUM_THREADS": "1"}, cwd=REPO, timeout=300, capture_output=True,
+                              text=True)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+        assert json.loads((tmp_path / f"{name}.json").read_text())["world_size"] == 2

@@ -5,7 +5,14 @@ from __future__ import annotations
 import json
 import time
 
-from tapetrain.train.heartbeat import STALE_SECONDS, Heartbeat, heartbeat_path, missing_ranks, read_beats
+from tapetrain.train.heartbeat import (
+    HEARTBEAT_SECONDS,
+    STALE_SECONDS,
+    Heartbeat,
+    heartbeat_path,
+    missing_ranks,
+    read_beats,
+)
 
 
 def write_beat(run_dir, rank: int, step: int, age_s: float) -> None:
@@ -21,15 +28,16 @@ def test_stale_behind_and_absent_ranks_are_missing(tmp_path):
     beats = read_beats(tmp_path, world_size=5, skip_rank=0)  # rank 4 never wrote one
     assert [b.rank for b in missing_ranks(beats, step=5)] == [2, 3, 4]
     described = {b.rank: b.describe() for b in beats}
-    assert described[2].startswith("rank 2: last heartbeat 1") and "at step 5, host h pid 7" in described[2]
+    assert described[2].startswith("rank 2: last heartbeat 1") and "working on step 5, host h pid 7" in described[2]
     assert described[4] == "rank 4: no heartbeat"
 
 
 def test_the_thread_writes_the_current_step(tmp_path):
+    """At once (issue #40: a rank killed mid-run was reported at a step from up to HEARTBEAT_SECONDS before)."""
     beat = Heartbeat(tmp_path, 0, 1).start()
     try:
         beat.step = 3
-        deadline = time.time() + 10
+        deadline = time.time() + HEARTBEAT_SECONDS / 4
         while json.loads(heartbeat_path(tmp_path, 0).read_text())["step"] != 3:
             assert time.time() < deadline
             time.sleep(0.1)

@@ -4,7 +4,7 @@
 
 Every log-likelihood the harness reports must equal the one tapetrain's own model computes for the same tokens
 (BOS + context + continuation, as the harness encodes them), and so must the accuracy. lm-eval is an optional
-extra (`pip install "tapetrain[lm-eval]"`); without it this test is skipped.
+extra (`pip install -e ".[lm-eval]"` in a clone of tapetrain); without it this test is skipped.
 """
 
 from __future__ import annotations

@@ -47,8 +47,10 @@ def served(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _fresh_reads():
     remote.read_json.cache_clear()  # servers come and go between tests: no manifest remembered across them
+    remote.forget_failures()
     yield
     remote.read_json.cache_clear()
+    remote.forget_failures()
 
 
 def test_urls_are_remote_and_paths_are_not():

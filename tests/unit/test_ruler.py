@@ -4,7 +4,7 @@ The six offline-capable RULER tasks run on a TAPE export (remote code) and a RoP
 lengths; every answer lm-eval generated for a few prompts must equal tapetrain's own greedy decoding of the same
 prompt (BOS + prompt, as the harness encodes it), and every score RULER's string match of that answer. The answer
 budget is capped (--ruler-max-new-tokens) to keep CPU time down; the prompts are RULER's own. Skipped without the
-lm-eval extra (`pip install "tapetrain[lm-eval]"`).
+lm-eval extra (`pip install -e ".[lm-eval]"` in a clone of tapetrain).
 """
 
 from __future__ import annotations
@@ -106,3 +106,30 @@ def test_offline_ruler_tasks_match_tapetrains_greedy_decoding(exports, no_networ
         options = CompareOptions(lengths=LENGTHS, resamples=200)
         for value in SUITES["ruler"].values(report, options):
             assert value.low <= value.value <= value.high and value.n == len(OFFLINE_TASKS)
+
+
+def test_a_task_that_cannot_fit_this_tokenizer_is_refused_by_name_before_lm_eval_starts(tmp_path):
+    """Issue #40: with a tokenizer trained on code, ruler_vt's in-context example (which lm-eval always sizes to
+    500 tokens) needs about 630: its generator looped forever printing, filling the disk, at any --lengths. Now the
+    pre-check names the task and the tokens it needs, and lm-eval never starts."""
+    import subprocess
+    import sys
+    import sysconfig
+    from pathlib import Path
+
+    from tapetrain.data.tokenizer import train_tokenizer
+
+    stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:3]
+    (tmp_path / "code.txt").write_text("".join(p.read_text(errors="replace") for p in stdlib))
+    tokenizer = train_tokenizer([str(tmp_path / "code.txt")], 512, str(tmp_path / "code.model"))
+    export_model(build("tape"), str(tmp_path / "export"), tokenizer=tokenizer)
+    cmd = [sys.executable, "-m", "tapetrain.cli", "eval", "ruler", str(tmp_path / "export"), "--lengths", "2048",
+           "--samples", "2", "--max-new-tokens", "8"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**__import__("os").environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "ruler_vt" in last and "in-context example" in last, last
+    needs = int(__import__("re").search(r"needs (\d+) tokens", last).group(1))
+    assert 560 < needs < 700, last
+    assert "Max length" not in proc.stdout  # lm-eval's generator never ran
