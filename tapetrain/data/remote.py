@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any, BinaryIO
@@ -27,13 +26,15 @@ from urllib.parse import urlsplit
 
 from tapetrain.data import remote_errors
 from tapetrain.data.errors import DataError
+from tapetrain.retry import call_with_retries, retry_after
 
 log = logging.getLogger("tapetrain.data")
 
 REMOTE_SCHEMES = ("s3", "gs", "gcs", "hf", "http", "https")
 INSTALL_HINT = "install the object-storage extras: pip install 'tapetrain[remote]'"
 CHUNK_BYTES = 16 << 20  # bytes per ranged GET: a dropped connection re-reads at most this much
-# Attempts after the first, with exponential backoff (0.5, 1, 2, 4, 8, 16 s: about 30 s): environment overrides.
+# Attempts after the first, with exponential backoff and jitter (0.5, 1, 2, 4, 8, 16 s ± 25%: about 30 s;
+# tapetrain/retry.py); environment overrides.
 RETRIES = int(os.environ.get("TAPETRAIN_REMOTE_RETRIES", "6"))
 BACKOFF_S = float(os.environ.get("TAPETRAIN_REMOTE_BACKOFF_S", "0.5"))
 
@@ -126,21 +127,19 @@ def _retry(fs: Any, path: str, url: str, start: int | None, end: int | None, ret
     with endpoint.retrying:  # one thread retries an endpoint at a time; the others wait for its outcome
         if endpoint.gave_up:
             raise DataError(endpoint.gave_up) from first
-        err: Exception = first
-        for attempt in range(retries):
-            delay = BACKOFF_S * 2**attempt
-            log.warning("reading %s failed (%s: %s); retry %d/%d in %.1fs", url, type(err).__name__, err,
-                        attempt + 1, retries, delay)
-            time.sleep(delay)
-            try:
-                return _read_once(fs, path, start, end)
-            except Exception as again:
-                err = again
-                if not _transient(err):
-                    raise remote_errors.describe(url, err, retries) from err
-        error = remote_errors.describe(url, err, retries)
-        endpoint.gave_up = str(error)
-        raise error from err
+
+        def logged(attempt: int, delay: float, err: BaseException) -> None:
+            log.warning("reading %s failed (%s: %s); retry %d/%d in %.1fs", url, type(err).__name__, err, attempt,
+                        retries, delay)
+
+        try:
+            return retry_after(first, lambda: _read_once(fs, path, start, end), retries=retries, base_s=BACKOFF_S,
+                               transient=_transient, on_retry=logged)
+        except Exception as err:
+            error = remote_errors.describe(url, err, retries)
+            if _transient(err):  # the retries are spent: every later read of this endpoint fails at once
+                endpoint.gave_up = str(error)
+            raise error from err
 
 
 def _checked_length(url: str, data: bytes, start: int | None, end: int | None) -> bytes:
@@ -220,15 +219,13 @@ def upload_tree(local_dir: str, url: str, last: str | None = None) -> list[str]:
     ordered = [n for n in names if n != last] + ([last] if last in names else [])
     for name in ordered:
         target = root.rstrip("/") + "/" + name.replace(os.sep, "/")
-        for attempt in range(RETRIES + 1):
-            try:
-                fs.put_file(os.path.join(local_dir, name), target)
-                break
-            except Exception as err:
-                if not _transient(err) or attempt == RETRIES:
-                    raise DataError(
-                        f"uploading {name} to {url} failed ({type(err).__name__}: {err}); check the URL and credentials"
-                    ) from err
-                time.sleep(BACKOFF_S * 2**attempt)
+        source = os.path.join(local_dir, name)
+        try:
+            call_with_retries(lambda source=source, target=target: fs.put_file(source, target), retries=RETRIES,
+                              base_s=BACKOFF_S, transient=_transient)
+        except Exception as err:
+            raise DataError(
+                f"uploading {name} to {url} failed ({type(err).__name__}: {err}); check the URL and credentials"
+            ) from err
     read_json.cache_clear()
     return ordered
