@@ -63,7 +63,8 @@ def paired_table(summary: dict) -> list[str]:
              "| model − " + reference + " | " + " | ".join(str(n) for n in summary["lengths"]) + " |",
              "|---|" + "---|" * len(summary["lengths"])]
     for row in rows:
-        texts = [f"{format_difference(c, summary['percent'])}: {judgement(c, row['label'])}" for c in row["paired"]]
+        texts = [judgement(c, row["label"]) if c["difference"] is None else
+                 f"{format_difference(c, summary['percent'])}: {judgement(c, row['label'])}" for c in row["paired"]]
         lines.append(f"| {row['label']} | " + " | ".join(texts) + " |")
     return lines
 

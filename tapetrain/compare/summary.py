@@ -153,12 +153,13 @@ def judgement(cell: dict, label: str) -> str:
     """What the paired difference says: who is better, or that it is not resolved (or not paired, and why)."""
     if cell["verdict"] == "not paired":
         return f"not paired: {cell['note']}"
-    seeds = f" for all {len(cell['pairs'])} seed pairs" if len(cell["pairs"]) > 1 else ""
+    pairs = len(cell["pairs"])
     if cell["verdict"] == "not resolved":
-        return "not resolved (" + ("a seed pair's interval contains 0 or the pairs disagree" if seeds else
+        return "not resolved (" + ("a seed pair's interval contains 0 or the pairs disagree" if pairs > 1 else
                                    "the interval contains 0") + ")"
     winner = label if cell["verdict"] == "better" else cell["reference"]
-    return f"{winner} better (interval excludes 0{seeds})"
+    return f"{winner} better (" + (f"all {pairs} seed pairs' intervals exclude 0" if pairs > 1 else
+                                   "interval excludes 0") + ")"
 
 
 def relative(path: str, start: str) -> str:
