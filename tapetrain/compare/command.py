@@ -70,7 +70,8 @@ def run_compare(
 
     Every MODEL (run directory, `tapetrain export hf` output, or a directory of seed runs NAME/seed-S/, shown as
     mean ± spread over seeds) gets the same evaluations with the same data, seeds and protocol. Writes
-    OUT/summary.json, OUT/README.md (a table per evaluation, the best value per column in bold), the figures, and
+    OUT/summary.json, OUT/README.md (a table per evaluation, and each model's paired difference from the first on
+    the same windows/prompts: better only where its interval excludes 0), the figures, and
     OUT/results/<model>/<evaluation>.json; a result whose settings are unchanged is reused, so adding a model only
     evaluates that model. ppl and needle run on several ranks under torchrun/deepspeed.
 
@@ -173,11 +174,11 @@ def run_compare(
                                command_line(models, given))
         log.info("compare: %s written in %.0f s (%d results computed, %d reused)",
                  os.path.join(out, "README.md"), time.perf_counter() - started, len(computed), len(reused))
-        from tapetrain.compare.report import evaluation_table
+        from tapetrain.compare.report import evaluation_table, paired_table
 
         for summary in payload["evaluations"].values():
-            print("\n".join([f"{summary['title']}: value [95% interval over {summary['n_counts']}], ** = best",
-                              *evaluation_table(summary), ""]))
+            print("\n".join([f"{summary['title']}: value [95% interval over {summary['n_counts']}]",
+                              *evaluation_table(summary), "", *paired_table(summary)]))
         print(f"compare: {os.path.join(out, 'README.md')} ({len(computed)} results computed, {len(reused)} reused)")
     return {**payload, "computed": computed, "reused": reused}
 

@@ -1,6 +1,7 @@
-"""OUT/summary.json and OUT/README.md of a compare: a table per evaluation (a row per model, a column per length,
-the best value of each column in bold), its figure, the training of the runs when they are at hand, and the
-command that reproduces the report."""
+"""OUT/summary.json and OUT/README.md of a compare: a table per evaluation (a row per model, a column per length),
+the paired difference of every model from the first with its verdict, its figure, the training of the runs when
+they are at hand, and the command that reproduces the report. No value is marked best: a model is called better
+only where the paired interval says so."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from pathlib import Path
 
 from tapetrain.compare.entries import ModelEntry
-from tapetrain.compare.summary import best_labels, format_cell
+from tapetrain.compare.summary import format_cell, format_difference, judgement
 from tapetrain.eval.report import write_json_atomic
 
 FIGURES = {"ppl": "ppl_vs_length.png", "needle": "needle_heatmaps.png", "ruler": "ruler_vs_length.png"}
@@ -42,18 +43,29 @@ def _number(value, spec: str) -> str:
 def evaluation_table(summary: dict) -> list[str]:
     lengths = summary["lengths"]
     lines = ["| model | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
-    best = {n: best_labels(summary, n) for n in lengths}
     for row in summary["rows"]:
         cells = {c["length"]: c for c in row["cells"]}
-        texts = []
-        for n in lengths:
-            text = format_cell(cells[n], summary["percent"])
-            if row["label"] in best[n] and len(summary["rows"]) > 1:
-                value, _, rest = text.partition(" ")
-                text = f"**{value}** {rest}"
-            texts.append(text)
         label = row["label"] + (f" ({len(row['seeds'])} seeds)" if row["seeds"] is not None else "")
-        lines.append(f"| {label} | " + " | ".join(texts) + " |")
+        lines.append(f"| {label} | " + " | ".join(format_cell(cells[n], summary["percent"]) for n in lengths) + " |")
+    return lines
+
+
+def paired_table(summary: dict) -> list[str]:
+    """Each later model minus the first on the same windows/prompts, its paired interval and what it resolves;
+    empty for a single model."""
+    rows = [row for row in summary["rows"] if row.get("paired")]
+    if not rows:
+        return []
+    reference = rows[0]["paired"][0]["reference"]
+    lines = [f"Paired difference from {reference} (model − {reference}, the same {summary['n_counts']} resampled "
+             "together): a model is called better only where this interval excludes 0 (for seed groups: every seed "
+             "pair's interval, on the same side).", "",
+             "| model − " + reference + " | " + " | ".join(str(n) for n in summary["lengths"]) + " |",
+             "|---|" + "---|" * len(summary["lengths"])]
+    for row in rows:
+        texts = [judgement(c, row["label"]) if c["difference"] is None else
+                 f"{format_difference(c, summary['percent'])}: {judgement(c, row['label'])}" for c in row["paired"]]
+        lines.append(f"| {row['label']} | " + " | ".join(texts) + " |")
     return lines
 
 
@@ -79,6 +91,8 @@ def write_readme(out_dir: str, title: str, notes: str | None, entries: list[Mode
     for summary in summaries:
         lines += [f"## {summary['title']}", "", summary["description"], ""]
         lines += evaluation_table(summary)
+        paired = paired_table(summary)
+        lines += ["", *paired] if paired else []
         lines += ["", f"![{summary['name']}]({FIGURES[summary['name']]})", ""]
     lines += ["## Reproduce", "", "```bash", command, "```", "",
               "Each result is in `results/<model>/<evaluation>.json` (what `tapetrain eval ...` writes, plus the "

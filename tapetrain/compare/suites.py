@@ -12,8 +12,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from tapetrain.compare.cache import SETTINGS_KEY
 from tapetrain.errors import InputError
-from tapetrain.eval.bootstrap import mean_interval, ppl_interval
+from tapetrain.eval.bootstrap import mean_interval, paired_mean_interval, paired_ppl_interval, ppl_interval
 
 if TYPE_CHECKING:
     from tapetrain.compare.entries import ModelEntry
@@ -69,6 +70,18 @@ class LengthValue:
     n: int  # windows (ppl), prompts (needle) or samples (ruler)
 
 
+def unpaired_settings(ref: dict, report: dict) -> str | None:
+    """Why two results are not of the same data and protocol (their compare settings but the model), or None."""
+    a, b = ({k: v for k, v in r.get(SETTINGS_KEY, {}).items() if k != "model"} for r in (ref, report))
+    changed = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+    return f"computed with different {', '.join(changed)}" if changed else None
+
+
+def at_length(report: dict, length: int) -> dict:
+    (result,) = [r for r in report["results"] if r["length"] == length]
+    return result
+
+
 class Evaluation:
     name = ""
     title = ""
@@ -95,6 +108,15 @@ class Evaluation:
 
     def describe(self, options: CompareOptions) -> str:
         """One line under the table: the protocol and what the interval resamples."""
+        raise NotImplementedError
+
+    def unpaired(self, ref: dict, report: dict, length: int) -> str | None:
+        """Why `report` cannot be paired with `ref` at `length` (not the same windows/prompts), or None."""
+        raise NotImplementedError
+
+    def paired(self, ref: dict, report: dict, length: int, options: CompareOptions) -> LengthValue:
+        """report − ref at `length` with its paired bootstrap interval (the same resampled windows/trials for both);
+        only where unpaired() is None."""
         raise NotImplementedError
 
 
@@ -150,6 +172,24 @@ class Perplexity(Evaluation):
         return (f"Token-weighted perplexity ({options.protocol} windows) on `{options.data}`; lower is better. "
                 f"[low, high]: 95% bootstrap interval over windows ({options.resamples} resamples, seed "
                 f"{options.seed}).")
+
+    def unpaired(self, ref: dict, report: dict, length: int) -> str | None:
+        why = unpaired_settings(ref, report)
+        if why:
+            return why
+        if (ref["data"], ref["data_tokens"]) != (report["data"], report["data_tokens"]):
+            return f"scored {report['data_tokens']} tokens of {report['data']}, the reference {ref['data_tokens']} " \
+                   f"of {ref['data']}"
+        a, b = at_length(ref, length), at_length(report, length)
+        if a["window_tokens"] != b["window_tokens"]:
+            return f"not the same windows ({b['windows']} against the reference's {a['windows']})"
+        return None
+
+    def paired(self, ref: dict, report: dict, length: int, options: CompareOptions) -> LengthValue:
+        a, b = at_length(ref, length), at_length(report, length)
+        low, high = paired_ppl_interval(a["window_nll"], a["window_tokens"], b["window_nll"], b["window_tokens"],
+                                        options.resamples, options.seed)
+        return LengthValue(length, b["ppl"] - a["ppl"], low, high, b["windows"])
 
 
 def check_data_lengths(tokens, options: CompareOptions, who: str) -> None:
@@ -215,6 +255,21 @@ class Needle(Evaluation):
                 f"trials per (length, depth), seed {options.seed}; each column is the mean over depths. [low, high]: "
                 f"95% bootstrap interval over prompts ({options.resamples} resamples).")
 
+    PROMPT = ("trial", "target_depth", "pass_key", "key_position", "prompt_tokens")  # what makes a prompt the same
+
+    def unpaired(self, ref: dict, report: dict, length: int) -> str | None:
+        why = unpaired_settings(ref, report)
+        if why:
+            return why
+        prompts = [[[rec[k] for k in self.PROMPT] for rec in at_length(r, length)["records"]] for r in (ref, report)]
+        return None if prompts[0] == prompts[1] else "not the same prompts (another tokenizer?)"
+
+    def paired(self, ref: dict, report: dict, length: int, options: CompareOptions) -> LengthValue:
+        a, b = at_length(ref, length), at_length(report, length)
+        hits = [[float(rec["correct"]) for rec in r["records"]] for r in (a, b)]
+        low, high = paired_mean_interval(hits[0], hits[1], options.resamples, options.seed)
+        return LengthValue(length, b["accuracy"] - a["accuracy"], low, high, len(hits[1]))
+
 
 class Ruler(Evaluation):
     name, title, better, percent, unit, needs_export = "ruler", "RULER (lm-evaluation-harness)", "higher", True, \
@@ -264,6 +319,24 @@ class Ruler(Evaluation):
         return (f"Mean RULER score over {len(tasks)} tasks ({', '.join(tasks)}), {options.ruler_samples} samples per "
                 f"task and length, lm-eval's generators seeded {options.seed}{cap}. [low, high]: 95% bootstrap "
                 f"interval over samples, resampled within each task ({options.resamples} resamples).")
+
+    @staticmethod
+    def _records(report: dict, length: int) -> list[dict]:
+        return [rec for rec in report["records"] if rec["length"] == length]
+
+    def unpaired(self, ref: dict, report: dict, length: int) -> str | None:
+        why = unpaired_settings(ref, report)
+        if why:
+            return why
+        samples = [[(rec["task"], rec["doc_id"]) for rec in self._records(r, length)] for r in (ref, report)]
+        return None if samples[0] == samples[1] else "not the same samples (task, doc_id)"
+
+    def paired(self, ref: dict, report: dict, length: int, options: CompareOptions) -> LengthValue:
+        a, b = self._records(ref, length), self._records(report, length)
+        low, high = paired_mean_interval([rec["score"] for rec in a], [rec["score"] for rec in b],
+                                         options.resamples, options.seed, strata=[rec["task"] for rec in b])
+        return LengthValue(length, at_length(report, length)["score"] - at_length(ref, length)["score"], low, high,
+                           len(b))
 
 
 SUITES: dict[str, Evaluation] = {e.name: e for e in (Perplexity(), Needle(), Ruler())}

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import statistics
 from pathlib import Path
 
@@ -67,9 +68,10 @@ def compare_args(models: dict, out: Path, *extra: str) -> list[str]:
 
 
 def table_rows(readme: str, title: str) -> dict[str, list[str]]:
-    """{model label: cells} of the markdown table under `## title`."""
+    """{model label: cells} of the first markdown table under `## title` (the values; the paired one follows)."""
     section = readme.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
-    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    table = section.split("\n| model |", 1)[1].split("\n\n", 1)[0]
+    rows = [line for line in table.splitlines() if line.startswith("| ")]
     return {r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")[1:]] for r in rows}
 
 
@@ -130,19 +132,32 @@ def test_compare_tables_intervals_and_reuse(models, tmp_path, capsys):
     quarters = [width(slice(i, i + 4)) for i in range(0, 16, 4)]
     assert width(slice(None)) < 0.75 * statistics.fmean(quarters), (width(slice(None)), quarters)
 
-    # README: one table per evaluation, the printed values, the best per column in bold and nothing else.
+    # README: one table per evaluation with the printed values and no value marked best; the paired differences
+    # from the first model (tape), with the seed group's mean over its two seed pairs.
     for evaluation, title in ((ppl, "Perplexity"), (needle, "Needle in a haystack (passkey grid)")):
         rows = table_rows(readme, title)
         assert {label.split(" (")[0] for label in rows} == {"tape", "rope", "tape-seeds"}
         for i in range(len(LENGTHS)):
             values = {row["label"]: row["cells"][i]["value"] for row in evaluation["rows"]}
-            best = (min if evaluation["better"] == "lower" else max)(values.values())
             for label, cells in rows.items():
                 shown = f"{100 * values[label.split(' (')[0]]:.1f}%" if evaluation["percent"] else \
                     f"{values[label.split(' (')[0]]:.2f}"
-                assert cells[i].replace("**", "").startswith(shown)
-                is_best = f"{100 * best:.1f}%" == shown if evaluation["percent"] else f"{best:.2f}" == shown
-                assert cells[i].startswith("**") == is_best, (title, label, cells[i])
+                assert cells[i].startswith(shown), (title, label, cells[i])
+        assert "**" not in readme.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+        paired = {row["label"]: row["paired"] for row in evaluation["rows"]}
+        assert paired["tape"] is None
+        for cell, tape_cell, rope_cell in zip(paired["rope"], by_label["tape"]["cells"], by_label["rope"]["cells"],
+                                             strict=True):
+            if evaluation is ppl:
+                assert cell["difference"] == pytest.approx(rope_cell["value"] - tape_cell["value"])
+                assert cell["ci"][0] <= cell["difference"] <= cell["ci"][1]
+        group = paired["tape-seeds"][0]
+        assert [(p["key"], p["reference_key"]) for p in group["pairs"]] == [("tape-seeds/seed-0", "tape"),
+                                                                             ("tape-seeds/seed-1", "tape")]
+        assert group["pairs"][0]["ci"] == [0.0, 0.0]  # seed 0 is the TAPE run itself
+        assert group["verdict"] == "not resolved" and group["spread"] is not None
+    assert "Paired difference from tape" in readme
+    assert "| tape-seeds | " in readme and "not resolved (a seed pair's interval contains 0" in readme
     assert "± " in rows["tape-seeds (2 seeds)"][0]
 
     # A second run: every result reused, no forward at all, the same report.
@@ -193,3 +208,45 @@ def test_run_directories_are_exported_once_for_export_only_evaluations(models, t
     stamp = (export / "tapetrain_export.json").stat().st_mtime_ns
     assert ModelHandle(entry.runs[0], "fp32", str(tmp_path)).export_dir() == str(export)
     assert (export / "tapetrain_export.json").stat().st_mtime_ns == stamp
+
+
+def test_paired_difference_calls_a_model_better_only_when_resolved(models, tmp_path):
+    """The same model twice: a paired difference of exactly 0 and neither called better. An export with one weight
+    matrix drowned in noise: the interval excludes 0 and the report names the intact model as better. Results of
+    other windows are not paired."""
+    from safetensors.torch import load_file, save_file
+
+    from tapetrain.checkpoint.hf_export import export_hf
+    from tapetrain.compare.suites import SUITES
+
+    def paired_ppl(paths: list[Path], labels: list[str], out: Path) -> tuple[dict, str]:
+        run_compare([str(p) for p in paths], out=str(out), suite="ppl", data=str(models["data"]), lengths=[128],
+                    labels=labels)
+        summary = json.loads((out / "summary.json").read_text())["evaluations"]["ppl"]
+        return summary["rows"][1]["paired"][0], (out / "README.md").read_text()
+
+    same, readme = paired_ppl([models["tape"], models["tape"]], ["tape", "again"], tmp_path / "same")
+    assert same["difference"] == 0.0 and same["ci"] == [0.0, 0.0] and same["verdict"] == "not resolved"
+    assert "| again | +0.00 [+0.00, +0.00]: not resolved (the interval contains 0) |" in readme
+    assert "better (" not in readme
+
+    intact, damaged = tmp_path / "intact", tmp_path / "damaged"
+    export_hf(str(models["tape"]), str(intact))
+    shutil.copytree(intact, damaged)
+    weights = load_file(damaged / "model.safetensors")
+    name = next(k for k, w in weights.items() if w.ndim == 2 and "mlp" in k)
+    generator = torch.Generator().manual_seed(0)
+    weights[name] = weights[name] + 3 * weights[name].std() * torch.randn(weights[name].shape, generator=generator)
+    save_file(weights, str(damaged / "model.safetensors"), metadata={"format": "pt"})
+    worse, readme = paired_ppl([intact, damaged], ["intact", "damaged"], tmp_path / "damage")
+    assert worse["ci"][0] > 0 and worse["verdict"] == "worse", worse
+    assert "| damaged | +" in readme and ": intact better (interval excludes 0) |" in readme
+
+    # Not the same windows: said, and not paired.
+    ref = json.loads((tmp_path / "damage" / "results" / "intact" / "ppl.json").read_text())
+    other = json.loads(json.dumps(ref))
+    other["results"][0]["window_tokens"][0] -= 1
+    assert SUITES["ppl"].unpaired(ref, ref, 128) is None
+    assert "not the same windows" in SUITES["ppl"].unpaired(ref, other, 128)
+    other["compare_settings"]["protocol"] = "sliding"
+    assert SUITES["ppl"].unpaired(ref, other, 128) == "computed with different protocol"

@@ -104,3 +104,38 @@ def test_the_link_checker_finds_broken_links(tmp_path):
     assert [(t.name, a) for t, a in links] == [
         ("other.md", "title-1"), ("other.md", "wb-xyi"), ("other.md", ""), ("missing.md", ""),
         ("other.md", "not-a-heading")]
+
+
+def demo_winners(summary: dict) -> set[str]:
+    """The models the committed demo report resolves as better than another (a paired interval excluding 0)."""
+    winners = set()
+    for evaluation in summary["evaluations"].values():
+        for row in evaluation["rows"]:
+            for cell in row.get("paired") or []:
+                if cell["verdict"] in ("better", "worse"):
+                    winners.add(row["label"] if cell["verdict"] == "better" else cell["reference"])
+    return winners
+
+
+def test_readme_calls_a_demo_model_better_only_where_a_paired_interval_resolves_it():
+    """The README's demo results name a model better (or bold a value as best) only where the committed demo report
+    (docs/demo/summary.json) holds a paired interval that excludes 0 (overlapping single-model intervals decide
+    nothing), and the paired differences it quotes are the report's."""
+    import json
+
+    text = README.read_text()
+    section = text[text.index("## Evaluation"):text.index("<!-- demo-results:end -->")]
+    from tapetrain.compare.summary import format_difference
+
+    summary = json.loads((REPO / "docs" / "demo" / "summary.json").read_text())
+    winners = demo_winners(summary)
+    claims = re.findall(r"\b([A-Z]\w*) is (?:\w+ )?better\b", section)  # "TAPE is slightly better"
+    assert set(claims) <= winners, f"README calls {claims} better; the demo report resolves only {sorted(winners)}"
+    for evaluation in summary["evaluations"].values():  # the paired differences quoted are the report's
+        for row in evaluation["rows"]:
+            for cell in row.get("paired") or []:
+                quoted = format_difference(cell, evaluation["percent"]).replace("-", "−")
+                if f"{row['label']} − {cell['reference']}" in section and cell["verdict"] != "not resolved":
+                    assert quoted in section, (row["label"], cell["length"], quoted)
+    assert "**" not in section, "a value in bold reads as the best, which no paired interval says"
+    assert "in bold" not in section
