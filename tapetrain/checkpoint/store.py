@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tapetrain import atomic_io
 from tapetrain.checkpoint import disk, manifest
 from tapetrain.checkpoint.completion import Completion, PendingCheckpoint
 from tapetrain.distributed import DistEnv, barrier
@@ -125,10 +126,10 @@ def save_checkpoint(
     torch.save(rng_state(), tmp / f"rng_rank{env.rank:05d}.pt")
     barrier()
     if env.is_main:
-        manifest.write_json_atomic(tmp / "model_config.json", model_config, indent=2)
+        atomic_io.write_json(tmp / "model_config.json", model_config, newline=False)
         if run_config_yaml is not None:
             (tmp / "config.yaml").write_text(run_config_yaml)
-        manifest.write_json_atomic(tmp / STATE_FILE, {**trainer_state, "manifest": manifest.MANIFEST}, indent=2)
+        atomic_io.write_json(tmp / STATE_FILE, {**trainer_state, "manifest": manifest.MANIFEST}, newline=False)
     barrier()  # every file is written: the ranks now hash them off the training thread
     publish = (lambda: _publish(tmp, root / tag, run_dir, keep_last, started)) if env.is_main else None
     pending = PendingCheckpoint(Completion(tmp, step, env.rank, env.world_size, hash_timeout_s, publish))

@@ -8,9 +8,9 @@ import json
 import os
 from pathlib import Path
 
+from tapetrain.atomic_io import write_json
 from tapetrain.compare.entries import ModelEntry
 from tapetrain.compare.summary import best_labels, format_cell
-from tapetrain.eval.report import write_json_atomic
 
 FIGURES = {"ppl": "ppl_vs_length.png", "needle": "needle_heatmaps.png", "ruler": "ruler_vs_length.png"}
 LOSS_FIGURE = "loss.png"
@@ -92,4 +92,4 @@ def write_readme(out_dir: str, title: str, notes: str | None, entries: list[Mode
 
 
 def write_summary(out_dir: str, payload: dict) -> None:
-    write_json_atomic(os.path.join(out_dir, "summary.json"), payload)
+    write_json(os.path.join(out_dir, "summary.json"), payload, parents=True)

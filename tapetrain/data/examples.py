@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from tapetrain.atomic_io import write_json
 from tapetrain.data.errors import DataError
-from tapetrain.data.format import file_sha256, write_json_atomic
+from tapetrain.data.format import file_sha256
 
 FORMAT_NAME = "tapetrain.examples"
 FORMAT_VERSION = 1
@@ -159,7 +160,7 @@ def write_manifest(out_dir: str, *, vocab_size: int, bos_id: int, eos_id: int, p
         "task": task,
         "splits": splits,
     }
-    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+    write_json(os.path.join(out_dir, MANIFEST), manifest)
     return manifest
 
 

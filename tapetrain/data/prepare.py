@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from tapetrain import atomic_io
 from tapetrain.data import format as fmt
 from tapetrain.data import publish, remote
 from tapetrain.data.errors import DataError
@@ -223,7 +224,7 @@ def _start_work_dir(out_dir: str) -> str:
             raise DataError(f"another prepare (pid {pid}) is writing {out_dir} (into {work}); wait for it or stop it")
         shutil.rmtree(work)
     os.makedirs(work)
-    fmt.write_json_atomic(marker, {"pid": os.getpid(), "started": time.time()})
+    atomic_io.write_json(marker, {"pid": os.getpid(), "started": time.time()})
     return work
 
 
@@ -365,7 +366,7 @@ def prepare(
         "empty_documents": stats.empty,
         "splits": splits,
     }
-    fmt.write_json_atomic(os.path.join(work, fmt.MANIFEST), manifest)
+    atomic_io.write_json(os.path.join(work, fmt.MANIFEST), manifest)
     _install(work, out_dir)
     log.info("prepare: %s; %d tokens", stats.summary(), manifest["num_tokens"])
     if stats.skipped:
