@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -141,12 +140,8 @@ def save_checkpoint(
 
 def _publish(tmp: Path, final: Path, run_dir: Path, keep_last: int | None, started: float) -> None:
     """Rank 0, once manifest.json is written: rename the .tmp directory complete, then prune to keep_last."""
-    root = final.parent
-    if final.exists():  # re-saving a step (e.g. SIGTERM right after a periodic save)
-        old = root / (final.name + ".old")
-        final.rename(old)
-        shutil.rmtree(old)
-    os.replace(tmp, final)
+    # re-saving a step (e.g. SIGTERM right after a periodic save) sets the old copy aside as .old, then removes it
+    atomic_io.publish_dir(tmp, final, final.with_name(final.name + ".old"))
     if keep_last:
         for _, old in complete_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)

@@ -25,6 +25,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tapetrain import atomic_io
 from tapetrain.data import remote
 from tapetrain.data.errors import DataError
 
@@ -241,7 +242,7 @@ class ShardCache:
                     remote.join(url, name), out, size, sha256, on_bytes=lambda n: STATS.add(bytes_fetched=n)
                 )
             with _Flock(os.path.join(self.root, ".cache.lock")):  # an accounting scan sees the old or the new name
-                os.replace(part, os.path.join(d, name))
+                atomic_io.publish_file(part, os.path.join(d, name))
         except BaseException:
             try:
                 os.remove(part)

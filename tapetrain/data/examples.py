@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from tapetrain import atomic_io
 from tapetrain.atomic_io import write_json
 from tapetrain.data.errors import DataError
 from tapetrain.data.format import file_sha256
@@ -130,13 +131,7 @@ def example_dir_writer(out_dir: str, overwrite: bool = False) -> Iterator[str]:
         yield tmp
         if not os.path.isfile(os.path.join(tmp, MANIFEST)):
             raise RuntimeError("internal error: the example store was built without a manifest")
-        old = None
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.replace(out_dir, os.path.join(old, "dir"))
-        os.replace(tmp, out_dir)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        atomic_io.publish_dir(tmp, out_dir)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
