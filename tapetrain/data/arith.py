@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,7 +162,7 @@ def write_eval_grid(cells: list[Problems], path: str) -> int:
     return sum(len(cell) for cell in cells)
 
 
-def _grid_records(cell: Problems):
+def _grid_records(cell: Problems) -> Iterator[dict]:
     sums, len_s = cell.sums()
     for i in range(len(cell)):
         la, lb = int(cell.len_a[i]), int(cell.len_b[i])

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 
 from tapetrain import atomic_io
-from tapetrain.atomic_io import write_json
 from tapetrain.data.errors import DataError
 from tapetrain.data.format import file_sha256
 
@@ -155,7 +154,7 @@ def write_manifest(out_dir: str, *, vocab_size: int, bos_id: int, eos_id: int, p
         "task": task,
         "splits": splits,
     }
-    write_json(os.path.join(out_dir, MANIFEST), manifest)
+    atomic_io.write_json(os.path.join(out_dir, MANIFEST), manifest)
     return manifest
 
 
