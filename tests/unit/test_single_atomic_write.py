@@ -109,3 +109,11 @@ def save(tmp, path):
 def test_the_checker_ignores_string_and_dataclass_replace():
     source = 'x = "a_b".replace("_", "-")\ny = dataclasses.replace(cfg, steps=2)\nz = dataclasses.replace(cfg)\n'
     assert rename_calls(source) == []
+
+
+def test_atomic_io_is_the_lowest_layer():
+    """Any module may use it, so it imports nothing from tapetrain but file_modes."""
+    tree = ast.parse((PACKAGE / ATOMIC_IO).read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert {m for m in imported if m and m.startswith("tapetrain")} <= {"tapetrain.file_modes"}
