@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from tapetrain.atomic_io import save_figure
 from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions
 from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS, interleaved_times, pair_ratios, spread
-from tapetrain.bench.report import format_table, pyplot, save_figure, title_suffix
+from tapetrain.bench.report import format_table, pyplot, title_suffix
 from tapetrain.model.attention import attention, backend_available, expand_heads, sdpa_attention
 from tapetrain.progress import progress as progress_bar
 

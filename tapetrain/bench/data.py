@@ -84,6 +84,7 @@ def train_byte_level_bpe(corpus: str, vocab: int, out_dir: str) -> str:
 
 def write_synthetic_dataset(out_dir: str, template: dict, num_tokens: int, shard_tokens: int) -> None:
     """Random ids < vocab in prepare's layout; the manifest of a real run provides all but the splits."""
+    from tapetrain import atomic_io
     from tapetrain.data import format as fmt
 
     os.makedirs(out_dir, exist_ok=True)
@@ -97,7 +98,7 @@ def write_synthetic_dataset(out_dir: str, template: dict, num_tokens: int, shard
     val = {"num_tokens": 0, "num_documents": 0, "shards": []}
     manifest = dict(template, splits={"train": train, "val": val}, num_tokens=train["num_tokens"],
                     num_documents=train["num_documents"], inputs=["synthetic"])
-    fmt.write_json_atomic(os.path.join(out_dir, fmt.MANIFEST), manifest)
+    atomic_io.write_json(os.path.join(out_dir, fmt.MANIFEST), manifest)
 
 
 def bench_reader(path: str, seq_len: int, micro_batch: int, seconds: float) -> dict:

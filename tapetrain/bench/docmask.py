@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
+from tapetrain.atomic_io import save_figure
 from tapetrain.bench.common import DTYPES, device_name, pick_device
 from tapetrain.bench.pairs import MAX_WARMUP_ROUNDS, MIN_HEADLINE_PAIRS, pairs_header, spread
-from tapetrain.bench.report import format_table, pyplot, save_figure
+from tapetrain.bench.report import format_table, pyplot
 from tapetrain.bench.steps import PlainOptimizer, build_model, interleaved_steps, random_batches, steady_warmup
 
 VARIANTS = ("no_mask", "mask")

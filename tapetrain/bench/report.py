@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from tapetrain import atomic_io
+from tapetrain.atomic_io import save_figure
 
 
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
@@ -59,29 +60,8 @@ def _json_safe(obj: Any) -> Any:
 
 
 def write_json_atomic(path: str | Path, obj: dict) -> Path:
-    """Write `obj` as JSON via a temp file in the same directory and os.replace (readers never see half a file)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(json.dumps(_json_safe(obj), indent=2, allow_nan=False) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
-
-
-def save_figure(fig: Any, path: str | Path) -> Path:
-    """Write `fig` as PNG atomically (temp file + os.replace), as write_json_atomic does."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
+    """The benchmarks' JSON convention (strict: NaN/inf -> null, indent 2) written through atomic_io."""
+    return atomic_io.write_json(path, _json_safe(obj), allow_nan=False, parents=True)
 
 
 def pyplot() -> Any:

@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
+from tapetrain.atomic_io import save_figure
 from tapetrain.bench.common import DTYPES, device_name
 from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS, pairs_header, rotated, spread
-from tapetrain.bench.report import format_table, pyplot, save_figure
+from tapetrain.bench.report import format_table, pyplot
 from tapetrain.bench.steps import build_model, random_batches
 from tapetrain.model import POSITIONAL_ENCODINGS, Transformer
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from tapetrain import atomic_io
 from tapetrain.checkpoint import disk, manifest
 from tapetrain.errors import CheckpointError
 
@@ -94,11 +95,12 @@ def _hash_share(job: Completion, names: list[str]) -> None:
     try:
         entries = manifest.describe_strict(job.tmp, names)
         payload = {"rank": job.rank, "thread": threading.current_thread().name, "files": entries}
-        manifest.write_json_atomic(part_path(job.tmp, job.rank), payload)
+        atomic_io.write_json(part_path(job.tmp, job.rank), payload, indent=1, newline=False)
     except OSError as err:
         message = f"rank {job.rank} could not hash {job.tmp.name}/{_name_of(err, job.tmp)}: {err}"
         with contextlib.suppress(OSError):  # a full disk may refuse this too: rank 0 then stops at its timeout
-            manifest.write_json_atomic(part_path(job.tmp, job.rank, failed=True), {"error": message})
+            atomic_io.write_json(part_path(job.tmp, job.rank, failed=True), {"error": message}, indent=1,
+                                 newline=False)
         raise CheckpointError(message) from err
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from tapetrain import atomic_io
 from tapetrain.checkpoint.export_tokenizer import special_token_ids, write_tokenizer
 from tapetrain.checkpoint.hf_families import HF_CLASSES, hf_rope_parameters
 from tapetrain.checkpoint.hf_keys import to_hf_state_dict
@@ -255,14 +256,7 @@ def export_model(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if out.exists():
-        old = out.with_name(out.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)
+    atomic_io.publish_dir(tmp, out, out.with_name(out.name + ".old"))
     return result
 
 

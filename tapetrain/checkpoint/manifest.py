@@ -17,11 +17,12 @@ Imports neither torch nor deepspeed (`tapetrain data verify` uses it).
 from __future__ import annotations
 
 import json
-import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from tapetrain import atomic_io
 
 MANIFEST = "manifest.json"
 PART = re.compile(r"^manifest\.rank\d{5}\.(json|failed)$")  # one rank's share, removed once merged
@@ -102,17 +103,7 @@ def write_manifest(checkpoint: Path, entries: dict[str, dict], hashed_by: dict[s
     payload: dict = {"algorithm": ALGORITHM, "files": dict(sorted(entries.items()))}
     if hashed_by:
         payload["hashed_by"] = hashed_by
-    write_json_atomic(checkpoint / MANIFEST, payload)
-
-
-def write_json_atomic(path: Path, payload: dict, indent: int = 1) -> None:
-    """`payload` as JSON at `path`: a temporary sibling, flushed to disk, then renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        json.dump(payload, f, indent=indent)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_io.write_json(checkpoint / MANIFEST, payload, indent=1, newline=False)
 
 
 def read_state(checkpoint: Path) -> dict | Defect:

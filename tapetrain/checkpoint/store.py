@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import re
 import shutil
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tapetrain import atomic_io
 from tapetrain.checkpoint import disk, manifest
 from tapetrain.checkpoint.completion import Completion, PendingCheckpoint
 from tapetrain.distributed import DistEnv, barrier
@@ -125,10 +125,10 @@ def save_checkpoint(
     torch.save(rng_state(), tmp / f"rng_rank{env.rank:05d}.pt")
     barrier()
     if env.is_main:
-        manifest.write_json_atomic(tmp / "model_config.json", model_config, indent=2)
+        atomic_io.write_json(tmp / "model_config.json", model_config, newline=False)
         if run_config_yaml is not None:
             (tmp / "config.yaml").write_text(run_config_yaml)
-        manifest.write_json_atomic(tmp / STATE_FILE, {**trainer_state, "manifest": manifest.MANIFEST}, indent=2)
+        atomic_io.write_json(tmp / STATE_FILE, {**trainer_state, "manifest": manifest.MANIFEST}, newline=False)
     barrier()  # every file is written: the ranks now hash them off the training thread
     publish = (lambda: _publish(tmp, root / tag, run_dir, keep_last, started)) if env.is_main else None
     pending = PendingCheckpoint(Completion(tmp, step, env.rank, env.world_size, hash_timeout_s, publish))
@@ -140,12 +140,8 @@ def save_checkpoint(
 
 def _publish(tmp: Path, final: Path, run_dir: Path, keep_last: int | None, started: float) -> None:
     """Rank 0, once manifest.json is written: rename the .tmp directory complete, then prune to keep_last."""
-    root = final.parent
-    if final.exists():  # re-saving a step (e.g. SIGTERM right after a periodic save)
-        old = root / (final.name + ".old")
-        final.rename(old)
-        shutil.rmtree(old)
-    os.replace(tmp, final)
+    # re-saving a step (e.g. SIGTERM right after a periodic save) sets the old copy aside as .old, then removes it
+    atomic_io.publish_dir(tmp, final, final.with_name(final.name + ".old"))
     if keep_last:
         for _, old in complete_checkpoints(run_dir)[:-keep_last]:
             shutil.rmtree(old, ignore_errors=True)

@@ -13,7 +13,7 @@ import json
 import logging
 from pathlib import Path
 
-from tapetrain.eval.report import write_json_atomic
+from tapetrain.atomic_io import write_json
 
 log = logging.getLogger("tapetrain.compare")
 
@@ -51,5 +51,5 @@ def load_cached(path: Path, settings: dict) -> dict | None:
 
 def store(path: Path, settings: dict, report: dict) -> dict:
     report = {**report, SETTINGS_KEY: normalized(settings)}
-    write_json_atomic(str(path), report)
+    write_json(path, report, parents=True)
     return report

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tapetrain.eval.report import save_figure
+from tapetrain.atomic_io import save_figure
 
 
 def _pyplot():

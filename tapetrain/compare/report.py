@@ -9,9 +9,10 @@ import json
 import os
 from pathlib import Path
 
+from tapetrain import atomic_io
+from tapetrain.atomic_io import write_json
 from tapetrain.compare.entries import ModelEntry
 from tapetrain.compare.summary import format_cell, format_difference, judgement
-from tapetrain.eval.report import write_json_atomic
 
 FIGURES = {"ppl": "ppl_vs_length.png", "needle": "needle_heatmaps.png", "ruler": "ruler_vs_length.png"}
 LOSS_FIGURE = "loss.png"
@@ -99,11 +100,8 @@ def write_readme(out_dir: str, title: str, notes: str | None, entries: list[Mode
               "settings it was computed with); running the command again reuses every result whose settings are "
               "unchanged, so adding a model only evaluates that model."]
     path = Path(out_dir) / "README.md"
-    tmp = path.with_name(".README.md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    os.replace(tmp, path)
-    return path
+    return atomic_io.write_text(path, "\n".join(lines) + "\n")
 
 
 def write_summary(out_dir: str, payload: dict) -> None:
-    write_json_atomic(os.path.join(out_dir, "summary.json"), payload)
+    write_json(os.path.join(out_dir, "summary.json"), payload, parents=True)

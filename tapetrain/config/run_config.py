@@ -10,13 +10,13 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import tempfile
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 import yaml
 
+from tapetrain import atomic_io
 from tapetrain.config.checks import check_for_world, check_run_config, grad_accum_steps
 from tapetrain.config.sections import (
     DataSection,
@@ -31,7 +31,6 @@ from tapetrain.config.sections import (
 from tapetrain.config.typed import Locate, build, convert, suggest, to_plain, where
 from tapetrain.config.yaml_io import apply_overrides, locator, read_with_bases
 from tapetrain.errors import ConfigError
-from tapetrain.file_modes import use_umask_mode
 
 
 @dataclass
@@ -216,19 +215,5 @@ def dump_run_config(cfg: RunConfig) -> str:
 
 
 def save_resolved(cfg: RunConfig, path: str) -> None:
-    """Write the config as YAML atomically (temp file in the same directory + os.replace)."""
-    path = str(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".config-", suffix=".yaml.tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(dump_run_config(cfg))
-            fh.flush()
-            os.fsync(fh.fileno())
-        use_umask_mode(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    """Write the config as YAML atomically (atomic_io)."""
+    atomic_io.write_text(path, dump_run_config(cfg), parents=True)

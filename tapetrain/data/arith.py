@@ -22,10 +22,12 @@ import json
 import logging
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from tapetrain import atomic_io
 from tapetrain.data.char_vocab import BOS_ID, EOS_ID, PAD_ID, SPECIALS, write_char_vocab
 from tapetrain.data.errors import DataError
 from tapetrain.data.examples import TOKENIZER_FILE, ExampleWriter, example_dir_writer, write_manifest
@@ -156,19 +158,16 @@ def build_eval_grid(eval_max_digits: int, per_cell: int, seed: int, width: int) 
 
 def write_eval_grid(cells: list[Problems], path: str) -> int:
     """eval_grid.jsonl: one problem per line, {len_a, len_b, a, b, sum} with numbers in normal digit order."""
-    count = 0
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for cell in cells:
-            sums, len_s = cell.sums()
-            for i in range(len(cell)):
-                la, lb = int(cell.len_a[i]), int(cell.len_b[i])
-                record = {"len_a": la, "len_b": lb, "a": to_text(cell.a[i], la), "b": to_text(cell.b[i], lb),
-                          "sum": to_text(sums[i], int(len_s[i]))}
-                f.write(json.dumps(record) + "\n")
-                count += 1
-    os.replace(tmp, path)
-    return count
+    atomic_io.write_lines(path, (json.dumps(record) for cell in cells for record in _grid_records(cell)))
+    return sum(len(cell) for cell in cells)
+
+
+def _grid_records(cell: Problems) -> Iterator[dict]:
+    sums, len_s = cell.sums()
+    for i in range(len(cell)):
+        la, lb = int(cell.len_a[i]), int(cell.len_b[i])
+        yield {"len_a": la, "len_b": lb, "a": to_text(cell.a[i], la), "b": to_text(cell.b[i], lb),
+               "sum": to_text(sums[i], int(len_s[i]))}
 
 
 def write_arith_data(out_dir: str, max_digits: int = 20, eval_max_digits: int = 40, train_examples: int = 20_000_000,

@@ -28,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from tapetrain import atomic_io
 from tapetrain.data import remote
 from tapetrain.data.errors import DataError
 from tapetrain.data.format import file_sha256
@@ -310,7 +311,7 @@ class ShardCache:
                 )
             _record(d, name, sha256)  # before the rename: a shard in place always has its record
             with _Flock(os.path.join(self.root, ".cache.lock")):  # an accounting scan sees the old or the new name
-                os.replace(part, os.path.join(d, name))
+                atomic_io.publish_file(part, os.path.join(d, name))
         except BaseException:
             try:
                 os.remove(part)

@@ -9,8 +9,7 @@ character and decode(encode(text)) == text for any text over the alphabet.
 
 from __future__ import annotations
 
-import os
-
+from tapetrain import atomic_io
 from tapetrain.data.errors import DataError
 
 SPECIALS = ("<unk>", "<s>", "</s>", "<pad>")
@@ -43,9 +42,6 @@ def char_vocab_model(alphabet: str) -> bytes:
 
 
 def write_char_vocab(alphabet: str, path: str) -> str:
-    """Write the character vocabulary of `alphabet` to `path` (temp name, then rename); return the path."""
-    tmp = os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(char_vocab_model(alphabet))
-    os.replace(tmp, path)
+    """Write the character vocabulary of `alphabet` to `path` (atomic_io); return the path."""
+    atomic_io.write_bytes(path, char_vocab_model(alphabet))
     return path

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
+from tapetrain import atomic_io
 from tapetrain.data.errors import DataError
-from tapetrain.data.format import file_sha256, write_json_atomic
+from tapetrain.data.format import file_sha256
 
 FORMAT_NAME = "tapetrain.examples"
 FORMAT_VERSION = 1
@@ -129,13 +130,7 @@ def example_dir_writer(out_dir: str, overwrite: bool = False) -> Iterator[str]:
         yield tmp
         if not os.path.isfile(os.path.join(tmp, MANIFEST)):
             raise RuntimeError("internal error: the example store was built without a manifest")
-        old = None
-        if os.path.exists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-            os.replace(out_dir, os.path.join(old, "dir"))
-        os.replace(tmp, out_dir)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        atomic_io.publish_dir(tmp, out_dir)
     finally:
         if os.path.isdir(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
@@ -159,7 +154,7 @@ def write_manifest(out_dir: str, *, vocab_size: int, bos_id: int, eos_id: int, p
         "task": task,
         "splits": splits,
     }
-    write_json_atomic(os.path.join(out_dir, MANIFEST), manifest)
+    atomic_io.write_json(os.path.join(out_dir, MANIFEST), manifest)
     return manifest
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from tapetrain import atomic_io
 from tapetrain.data.errors import DataError
 
 FORMAT_NAME = "tapetrain.tokens"
@@ -40,18 +41,6 @@ def file_sha256(path: str, block: int = 1 << 22) -> str:
         while chunk := f.read(block):
             digest.update(chunk)
     return digest.hexdigest()
-
-
-def write_bytes_atomic(path: str, data: bytes | memoryview) -> None:
-    """Write to a hidden temp name in the same directory, then rename: readers never see a partial file."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
 
 
 class ShardWriter:
@@ -100,7 +89,7 @@ class ShardWriter:
         self._ends = [ends[ndocs:]] if ndocs < len(ends) else []
         name = shard_name(self.split, len(self.shards))
         data = np.ascontiguousarray(shard).tobytes()
-        write_bytes_atomic(os.path.join(self.out_dir, name), data)
+        atomic_io.write_bytes(os.path.join(self.out_dir, name), data)
         self.shards.append({"file": name, "num_tokens": int(n), "num_documents": ndocs,
                             "sha256": hashlib.sha256(data).hexdigest()})
         self._written += n

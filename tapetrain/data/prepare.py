@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from tapetrain import atomic_io
 from tapetrain.data import format as fmt
 from tapetrain.data import publish, remote
 from tapetrain.data.errors import DataError
@@ -223,7 +224,7 @@ def _start_work_dir(out_dir: str) -> str:
             raise DataError(f"another prepare (pid {pid}) is writing {out_dir} (into {work}); wait for it or stop it")
         shutil.rmtree(work)
     os.makedirs(work)
-    fmt.write_json_atomic(marker, {"pid": os.getpid(), "started": time.time()})
+    atomic_io.write_json(marker, {"pid": os.getpid(), "started": time.time()})
     return work
 
 
@@ -240,17 +241,13 @@ def _alive(pid: int) -> bool:
 def _install(work: str, out_dir: str) -> None:
     """Put the finished dataset in `work` at out_dir, replacing prepare's files there and keeping any others."""
     os.remove(os.path.join(work, fmt.INCOMPLETE_MARKER))
-    if not os.path.exists(out_dir):
-        os.replace(work, out_dir)
+    old = atomic_io.publish_dir(work, out_dir, _sibling(out_dir, "prepare-old"), remove_aside=False)
+    if old is None:
         return
-    old = _sibling(out_dir, "prepare-old")
-    shutil.rmtree(old, ignore_errors=True)
-    os.replace(out_dir, old)
-    os.replace(work, out_dir)
     own = {os.path.basename(p) for p in _own_files(old)} | {fmt.MANIFEST, fmt.INCOMPLETE_MARKER}
     for name in os.listdir(old):
         if name not in own and not os.path.exists(os.path.join(out_dir, name)):
-            shutil.move(os.path.join(old, name), os.path.join(out_dir, name))
+            shutil.move(os.path.join(old, name), os.path.join(out_dir, name))  # the user's own, not written here
     shutil.rmtree(old)
 
 
@@ -365,7 +362,7 @@ def prepare(
         "empty_documents": stats.empty,
         "splits": splits,
     }
-    fmt.write_json_atomic(os.path.join(work, fmt.MANIFEST), manifest)
+    atomic_io.write_json(os.path.join(work, fmt.MANIFEST), manifest)
     _install(work, out_dir)
     log.info("prepare: %s; %d tokens", stats.summary(), manifest["num_tokens"])
     if stats.skipped:

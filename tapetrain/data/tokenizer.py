@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import sentencepiece as spm
 
+from tapetrain import atomic_io
 from tapetrain.data.errors import DataError
 from tapetrain.data.format import file_sha256
 from tapetrain.data.sources import SourceStats, iter_documents
@@ -176,7 +177,7 @@ def train_tokenizer(
         except RuntimeError as err:
             raise DataError(f"sentencepiece training failed: {err}; if the vocabulary is too large for the "
                             "corpus, lower --vocab-size or add more text") from err
-        os.replace(os.path.join(work, "tok.model"), out)
+        atomic_io.publish_file(os.path.join(work, "tok.model"), out)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return out

@@ -17,13 +17,13 @@ from typing import Literal
 import numpy as np
 import torch
 
+from tapetrain.atomic_io import write_json
 from tapetrain.data.arith import DIGIT0, VOCAB_SIZE, problem_ids, read_eval_grid
 from tapetrain.data.char_vocab import EOS_ID
 from tapetrain.distributed import EvalRanks, all_reduce_sum, init_eval_ranks
 from tapetrain.errors import InputError
 from tapetrain.eval.decoding import Continuation, generate
 from tapetrain.eval.models import EvalModel, load_eval_model
-from tapetrain.eval.report import write_json_atomic
 from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger("tapetrain.eval")
@@ -182,7 +182,7 @@ def run_eval_arith(model_path: str, data: str, out: str, plot: str | None = None
     }
     if ranks.is_main:
         print(format_arith_table(report))
-        write_json_atomic(out, report)
+        write_json(out, report, parents=True)
         if plot:
             plot_heatmaps([report], plot)
     return report

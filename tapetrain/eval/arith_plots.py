@@ -6,7 +6,7 @@ import os
 
 import numpy as np
 
-from tapetrain.eval.report import save_figure
+from tapetrain.atomic_io import save_figure
 
 
 def accuracy_grid(report: dict) -> np.ndarray:

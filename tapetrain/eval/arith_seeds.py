@@ -17,8 +17,8 @@ from itertools import combinations
 
 import numpy as np
 
+from tapetrain.atomic_io import save_figure
 from tapetrain.eval.arith_plots import accuracy_grid
-from tapetrain.eval.report import save_figure
 
 METRICS = {
     "mean_in_distribution": "in distribution",

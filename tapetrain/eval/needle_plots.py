@@ -7,7 +7,7 @@ import os
 
 import numpy as np
 
-from tapetrain.eval.report import save_figure
+from tapetrain.atomic_io import save_figure
 
 
 def needle_grid(report: dict) -> tuple[list[int], list[float], np.ndarray]:

@@ -32,11 +32,12 @@ from typing import Literal
 import numpy as np
 import torch
 
+from tapetrain.atomic_io import write_json
 from tapetrain.distributed import EvalRanks, init_eval_ranks
 from tapetrain.errors import InputError
 from tapetrain.eval import passkey_reference as ref
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
-from tapetrain.eval.report import format_passkey_table, plot_passkey, write_json_atomic
+from tapetrain.eval.report import format_passkey_table, plot_passkey
 from tapetrain.eval.sequence_parallel import check_sequence_parallel, start_sequence_parallel
 from tapetrain.progress import format_duration
 from tapetrain.progress import progress as progress_bar
@@ -455,7 +456,7 @@ def run_eval_passkey(
     if ranks.is_main:
         print(format_passkey_table(report))
         if out:
-            write_json_atomic(out, report)
+            write_json(out, report, parents=True)
         if plot:
             if report.get("cells"):
                 from tapetrain.eval.needle_plots import plot_needle_heatmaps

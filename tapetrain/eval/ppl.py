@@ -16,10 +16,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tapetrain.atomic_io import write_json
 from tapetrain.distributed import EvalRanks, all_reduce_sum, init_eval_ranks
 from tapetrain.errors import InputError
 from tapetrain.eval.models import EvalModel, load_eval_model, seed_eval
-from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json, write_json_atomic
+from tapetrain.eval.report import format_ppl_table, plot_ppl, read_json
 from tapetrain.eval.sequence_parallel import check_sequence_parallel, start_sequence_parallel
 from tapetrain.eval.tokens import EvalTokens, open_eval_tokens
 from tapetrain.eval.windows import LONGLORA_EVAL_BATCH, Window, aggregate, make_windows, tokens_needed
@@ -236,7 +237,7 @@ def run_eval_ppl(
     if ranks.is_main:
         print(format_ppl_table(report))
         if out:
-            write_json_atomic(out, report)
+            write_json(out, report, parents=True)
         if plot:
             plot_ppl([report, *compared], plot)
     return report

@@ -4,27 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 
+from tapetrain.atomic_io import save_figure
 from tapetrain.errors import InputError, MissingInputError
-from tapetrain.file_modes import use_umask_mode
-
-
-def write_json_atomic(path: str, obj: dict) -> None:
-    """Write JSON to a temp file in the same directory, then rename: readers never see a partial file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-        use_umask_mode(tmp)  # mkstemp made it 0600
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def read_json(path: str) -> dict:
@@ -62,25 +44,6 @@ def format_passkey_table(report: dict) -> str:
 def _label(report: dict) -> str:
     name = os.path.basename(str(report.get("model", "?")).rstrip("/")) or str(report.get("model"))
     return f"{name} ({report['protocol']})" if "protocol" in report else name
-
-
-def _save_figure(fig, out_png: str) -> None:
-    directory = os.path.dirname(os.path.abspath(out_png))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".png", dir=directory)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
-        use_umask_mode(tmp)
-        os.replace(tmp, out_png)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def save_figure(fig, out_png: str) -> None:
-    """Save a matplotlib figure as PNG atomically (temp file + rename)."""
-    _save_figure(fig, out_png)
 
 
 def _line_figure(reports: list[dict], key: str, ylabel: str, title: str, log_y: bool, ylim=None):
@@ -121,7 +84,7 @@ def _line_figure(reports: list[dict], key: str, ylabel: str, title: str, log_y: 
 def _save_and_close(fig, out_png: str) -> None:
     import matplotlib.pyplot as plt
 
-    _save_figure(fig, out_png)
+    save_figure(fig, out_png)
     plt.close(fig)
 
 

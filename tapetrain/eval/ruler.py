@@ -303,9 +303,9 @@ def run_eval_ruler(
                             max_new_tokens=max_new_tokens, time_limit_min=time_limit_min)
     print(format_ruler_table(report))
     if out:
-        from tapetrain.eval.report import write_json_atomic
+        from tapetrain.atomic_io import write_json
 
-        write_json_atomic(out, report)
+        write_json(out, report, parents=True)
     if plot:
         from tapetrain.eval.report import plot_ruler
 

@@ -18,12 +18,12 @@ from typing import Literal
 
 import torch
 
+from tapetrain.atomic_io import write_json
 from tapetrain.data.scrolls import TASKS, PromptBuilder, ScrollsTask, iter_records, references_by_id
 from tapetrain.distributed import EvalRanks, init_eval_ranks
 from tapetrain.errors import InputError, MissingInputError
 from tapetrain.eval.decoding import GREEDY, Sampling, generate
 from tapetrain.eval.models import EvalModel, load_eval_model
-from tapetrain.eval.report import write_json_atomic
 from tapetrain.eval.scrolls_metrics import TASK_METRIC, score
 from tapetrain.progress import progress as progress_bar
 
@@ -146,5 +146,5 @@ def run_eval_scrolls(model_path: str, task: ScrollsTask, data: str, out: str, *,
               "seconds": round(time.perf_counter() - start, 2), "predictions": predicted}
     if ranks.is_main:
         print(format_scrolls_line(report))
-        write_json_atomic(out, report)
+        write_json(out, report, parents=True)
     return report

@@ -33,9 +33,7 @@ tapetrain.checkpoint.store's; what a resume may change is decided by tapetrain.t
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -48,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from tapetrain import atomic_io
 from tapetrain.checkpoint import disk, manifest, store
 from tapetrain.checkpoint.completion import PendingCheckpoint
 from tapetrain.checkpoint.zero3_reshard import SavedZero3, load_into
@@ -333,9 +332,7 @@ class CheckpointManager:
             number = len(list(history.glob("start_*.yaml"))) + 1
             save_resolved(self.cfg, history / f"start_{number:03d}_from_{store.step_tag(start_step)}.yaml")
             save_resolved(self.cfg, self.run_dir / "config.yaml")
-            tmp = self.run_dir / "ds_config.json.tmp"
-            tmp.write_text(json.dumps(ds_config, indent=2))
-            os.replace(tmp, self.run_dir / "ds_config.json")
+            atomic_io.write_json(self.run_dir / "ds_config.json", ds_config, newline=False)
         barrier()
 
     # ---- save ---------------------------------------------------------------------------------------------------

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tapetrain import atomic_io
+
 HEARTBEAT_DIR = "heartbeats"
 HEARTBEAT_SECONDS = 2.0
 STALE_SECONDS = 3 * HEARTBEAT_SECONDS + 1  # a beat or two may be late on a busy machine; three are not
@@ -79,9 +81,7 @@ class Heartbeat:
             "host": socket.gethostname(),
             "pid": os.getpid(),
         }
-        tmp = self.path.with_name(f"{self.path.name}.tmp")
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, self.path)  # a reader never sees half a file
+        atomic_io.write_json(self.path, record, indent=None, newline=False)  # a reader never sees half a file
 
 
 @dataclass(frozen=True)

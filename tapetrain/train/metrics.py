@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from tapetrain import atomic_io
 
 log = logging.getLogger("tapetrain.train")
 
@@ -66,9 +67,7 @@ class MetricsLogger:
         if not self.path.exists():
             return
         kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        atomic_io.write_text(self.path, "".join(line + "\n" for line in kept))
 
     def log(self, record: dict, write: bool = True, show: bool = True) -> None:
         """`write`: metrics.jsonl and TensorBoard (train.log_interval); `show`: the console line

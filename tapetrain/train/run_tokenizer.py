@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tapetrain import atomic_io
 from tapetrain.data.format import file_sha256
 from tapetrain.data.remote import is_remote
 
@@ -98,8 +99,6 @@ def keep_copy(cfg: RunConfig, run_dir: Path, write: bool) -> RunConfig:
         for path in open_tokenizer(source).files:
             dest = target / os.path.basename(path)
             if Path(path).resolve() != dest:
-                tmp = dest.with_name(dest.name + ".tmp")
-                shutil.copyfile(path, tmp)
-                os.replace(tmp, dest)
+                atomic_io.write_via(dest, lambda tmp, src=path: shutil.copyfile(src, tmp))
     copy = str(target / os.path.basename(source))
     return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=copy))

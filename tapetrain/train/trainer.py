@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import signal
 import time
 from pathlib import Path
@@ -13,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tapetrain import atomic_io
 from tapetrain.checkpoint import store
 from tapetrain.data.batches import read_batch
 from tapetrain.data.cache import remote_data_metrics
@@ -310,9 +309,7 @@ class Trainer:
         if self.env.is_main and self.step >= cfg.train.steps:
             done = {"step": self.step, "tokens": self.tokens, "finished": True, "name": self.run_name,
                     "skipped_steps": self.skipped_steps}
-            tmp = self.run_dir / "DONE.json.tmp"
-            tmp.write_text(json.dumps(done))
-            os.replace(tmp, self.run_dir / "DONE.json")
+            atomic_io.write_json(self.run_dir / "DONE.json", done, indent=None, newline=False)
             log.info("done: %s, %s; next: tapetrain export hf %s --out %s-hf", self.run_dir, self._work_done(),
                      self.run_dir, self.run_dir)
 

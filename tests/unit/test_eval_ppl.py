@@ -103,6 +103,7 @@ def test_run_dir_and_export_agree(run_and_export, tmp_path, caplog):
 
 
 def test_shard_directory_reads_val_split(run_and_export, tmp_path):
+    from tapetrain import atomic_io
     from tapetrain.data import format as fmt
 
     run, _, _ = run_and_export
@@ -115,7 +116,7 @@ def test_shard_directory_reads_val_split(run_and_export, tmp_path):
         splits[split] = writer.close()
     manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "vocab_size": 512, "dtype": "uint16",
                 "bos_id": 1, "eos_id": 2, "num_tokens": 500, "splits": splits}
-    fmt.write_json_atomic(str(tmp_path / fmt.MANIFEST), manifest)
+    atomic_io.write_json(str(tmp_path / fmt.MANIFEST), manifest)
     val.astype(np.uint16).tofile(tmp_path / "val.bin")
     shards = run_eval_ppl(str(run), str(tmp_path), [32])
     flat = run_eval_ppl(str(run), str(tmp_path / "val.bin"), [32])

@@ -124,6 +124,7 @@ def test_reference_protocols_need_enough_tokens_and_reject_foreign_knobs():
 
 
 def write_shards(directory, splits: dict[str, np.ndarray]) -> None:
+    from tapetrain import atomic_io
     from tapetrain.data import format as fmt
 
     directory.mkdir()
@@ -135,7 +136,7 @@ def write_shards(directory, splits: dict[str, np.ndarray]) -> None:
     manifest = {"format": fmt.FORMAT_NAME, "version": fmt.FORMAT_VERSION, "vocab_size": 512, "dtype": "uint16",
                 "bos_id": 1, "eos_id": 2, "num_tokens": sum(len(t) for t in splits.values()),
                 "splits": manifest_splits}
-    fmt.write_json_atomic(str(directory / fmt.MANIFEST), manifest)
+    atomic_io.write_json(str(directory / fmt.MANIFEST), manifest)
 
 
 def test_shards_without_val_split_need_split_train(tmp_path, caplog):

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 from model_helpers import build
 
+from tapetrain.atomic_io import write_json
 from tapetrain.checkpoint.hf_export import export_model
 from tapetrain.config import RunConfig, save_resolved
-from tapetrain.eval.report import plot_ppl, write_json_atomic
+from tapetrain.eval.report import plot_ppl
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def modes(root: Path) -> dict[str, int]:
 
 def test_atomic_writes_respect_the_umask(tmp_path, umask_022):
     save_resolved(RunConfig(), str(tmp_path / "run" / "config.yaml"))
-    write_json_atomic(str(tmp_path / "eval" / "ppl.json"), {"results": []})
+    write_json(tmp_path / "eval" / "ppl.json", {"results": []}, parents=True)
     plot_ppl([{"model": "m", "protocol": "nonoverlap", "results": [{"length": 8, "ppl": 3.0}]}],
              str(tmp_path / "eval" / "ppl.png"))
     export_model(build("tape"), str(tmp_path / "hf"), verify=False)
