@@ -187,10 +187,7 @@ def _current(d: str, name: str, size: int, sha256: str, url: str | None = None) 
 def _record(d: str, name: str, sha256: str) -> None:
     """Write the sha256 that shard `name` was checked against (atomically: a reader sees the old or the new)."""
     os.makedirs(os.path.join(d, ".verified"), exist_ok=True)
-    tmp = _verified(d, name) + f".{os.getpid()}-{threading.get_ident()}.tmp"  # a prefetch thread may race a reader
-    with open(tmp, "w", encoding="ascii") as f:
-        f.write(sha256 + "\n")
-    os.replace(tmp, _verified(d, name))
+    atomic_io.write_text(_verified(d, name), sha256 + "\n")  # unique temp names: a prefetch thread may race a reader
 
 
 def _forget(d: str, name: str) -> None:
