@@ -1,32 +1,88 @@
-# Two entry points: `make demo` (the embedded default job) and `make test`. Both create .venv on first use.
+# Two entry points: `make demo` (the embedded default job) and `make test`. Both create .venv on first use, from
+# the hashed locks in requirements/ (docs/dependencies.md): exactly the versions CI tested. `make lock` refreshes them.
 PYTHON ?= python3
 VENV ?= .venv
-# CPU wheel by default (this is what CI and a laptop need). On a CUDA machine: make TORCH_SPEC="torch==2.11.*" ...
-TORCH_SPEC ?= torch==2.13.0
-DEEPSPEED_SPEC ?= deepspeed==0.19.8
 BIN := $(VENV)/bin
+LOCKS := requirements
+DEV_LOCK := $(LOCKS)/dev.lock
+BUILD_LOCK := $(LOCKS)/build.lock
+LM_EVAL_LOCK := $(LOCKS)/lm-eval.lock
+# Empty: the lock's CPU torch (what CI and a laptop need). On a CUDA machine: make TORCH_SPEC="torch==2.11.*" ...
+# installs that torch and every other package from the lock.
+TORCH_SPEC ?=
+DEEPSPEED_SPEC ?= $(shell $(PYTHON) tools/lockfile.py pins $(DEV_LOCK) deepspeed)
+PIP := $(BIN)/python -m pip
+PYTEST_ARGS ?= -q --timeout=900 --durations=15
+# uv (from requirements/tools.lock, in .venv-tools) installs the locks into .venv: 13-18 s against pip's 60-70 s here.
+# INSTALLER=pip: the same locks, the same packages, with pip alone.
+INSTALLER ?= uv
+TOOLS := .venv-tools
+# uv does not read pip's configuration: it gets pip's find-links (where this machine's CPU torch wheel lies).
+UV_ARGS ?= $(foreach d,$(sort $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS)),\
+	--find-links $(d))
+ifeq ($(INSTALLER),uv)
+INSTALL = $(TOOLS)/bin/uv pip install -q --python $(BIN)/python $(UV_ARGS)
+INSTALL_TOOLS = $(TOOLS)/.installed
+else
+INSTALL = $(PIP) install -q
+INSTALL_TOOLS =
+endif
 
-.PHONY: setup test lint demo clean-demo gpu-wheels gpu-check kernel-report
+.PHONY: setup test test-latest lock lint demo clean-demo gpu-wheels gpu-check kernel-report
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml $(DEV_LOCK) $(BUILD_LOCK) | $(INSTALL_TOOLS)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	# DeepSpeed builds against the torch already installed (no isolated build env that would pull another torch).
-	$(BIN)/python -m pip install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[dev]"
+ifeq ($(strip $(TORCH_SPEC)),)
+	# torch first: DeepSpeed's sdist is built against the installed torch (no isolated build env with another one).
+	$(INSTALL) --require-hashes -r $(BUILD_LOCK)
+	$(INSTALL) --require-hashes --no-build-isolation -r $(DEV_LOCK)
+else
+	$(INSTALL) "$(TORCH_SPEC)" $$($(PYTHON) tools/lockfile.py pins $(DEV_LOCK) pip setuptools)
+	$(PYTHON) tools/lockfile.py without $(DEV_LOCK) torch > $(VENV)/lock-without-torch.txt
+	# Hash-checked still (uv verifies the hashes given, pip switches to hash-checking mode), but torch has none.
+	$(INSTALL) --no-build-isolation -r $(VENV)/lock-without-torch.txt
+endif
+	$(INSTALL) --no-deps --no-build-isolation -e .
+	touch $@
+
+$(TOOLS)/.installed: $(LOCKS)/tools.lock
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q --require-hashes -r $(LOCKS)/tools.lock
 	touch $@
 
 test: setup $(VENV)/.lm-eval
-	$(BIN)/python -m pytest -q --timeout=900
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # lm-evaluation-harness with RULER's dependencies (about a minute to install): the suite's lm-eval and RULER tests
 # run it (they skip without it); `make demo` does not need it.
-$(VENV)/.lm-eval: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[lm-eval]"
+$(VENV)/.lm-eval: $(VENV)/.installed $(LM_EVAL_LOCK)
+	$(INSTALL) --require-hashes --no-build-isolation -r $(LM_EVAL_LOCK)
 	touch $@
+
+# Rewrites the locks from pyproject.toml, keeping every pin that still satisfies it (a new dependency gets its newest
+# version); `make lock UPGRADE=1` moves every pin to the newest version allowed. Python 3.11, this machine's indexes.
+COMPILE_LOCK = CUSTOM_COMPILE_COMMAND="make lock" $(TOOLS)/bin/pip-compile -q --generate-hashes --allow-unsafe --strip-extras --no-emit-index-url \
+	--no-emit-find-links $(if $(UPGRADE),--upgrade) $(LOCK_ARGS)
+lock: $(TOOLS)/.installed
+	$(COMPILE_LOCK) --extra dev -o $(DEV_LOCK) pyproject.toml $(LOCKS)/build.in
+	$(COMPILE_LOCK) -c $(DEV_LOCK) -o $(BUILD_LOCK) $(LOCKS)/build.in
+	$(COMPILE_LOCK) --extra dev --extra lm-eval -c $(DEV_LOCK) -o $(LM_EVAL_LOCK) pyproject.toml $(LOCKS)/build.in
+	$(COMPILE_LOCK) -c $(DEV_LOCK) -o $(LOCKS)/tools.lock $(LOCKS)/tools.in
+
+# The suite on the newest versions pyproject.toml allows (not the lock), in its own venv: what `make lock UPGRADE=1`
+# would bring. torch stays the CPU wheel (LATEST_TORCH_SPEC): any other torch here pulls gigabytes of CUDA.
+LATEST_VENV ?= .venv-latest
+LATEST_TORCH_SPEC ?= torch==2.13.0
+test-latest:
+	rm -rf $(LATEST_VENV)
+	$(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install -q --upgrade pip setuptools
+	$(LATEST_VENV)/bin/python -m pip install -q "$(LATEST_TORCH_SPEC)"
+	$(LATEST_VENV)/bin/python -m pip install -q --no-build-isolation -e ".[dev,lm-eval]"
+	$(LATEST_VENV)/bin/python -m pip freeze
+	$(LATEST_VENV)/bin/python -m pytest $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check tapetrain tools tests
@@ -41,8 +97,10 @@ clean-demo:
 # then `make gpu-check` (= tools/gpu_check.sh gpu-check-out). GPU_PYTHON: the Python version of that machine.
 GPU_PYTHON ?= 3.12
 GPU_WHEELS_DIR ?= gpu-wheels
-GPU_WHEEL_SPECS ?= hjson==3.1.0 pydantic==2.14.3 pydantic-core==2.50.4 annotated-types==0.8.0 \
-	typing-inspection==0.4.5 typing-extensions==4.16.0 zstandard==0.25.0 liger-kernel==0.8.5 xxhash==4.1.0
+# Versions from the lock; ==X: the version for a package the lock does not hold. xxhash: checkpoint manifests.
+GPU_WHEEL_NAMES ?= hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions zstandard \
+	xxhash liger-kernel==0.8.5
+GPU_WHEEL_SPECS ?= $(shell $(PYTHON) tools/lockfile.py pins $(DEV_LOCK) $(GPU_WHEEL_NAMES))
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 gpu-wheels: setup

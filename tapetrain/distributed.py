@@ -77,10 +77,15 @@ def local_device() -> torch.device:
     return torch.device("cuda", local_rank()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def free_port() -> int:
+@contextmanager
+def reserved_port() -> Iterator[int]:
+    """A local port the OS picked, kept bound until the block ends: the socket has SO_REUSEADDR and does not listen,
+    so a rendezvous inside the block (TCPStore binds with SO_REUSEADDR) can listen on it, while no other port-0 pick
+    on the machine is given it in between (closing the socket before the rendezvous binds would leave that window)."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        yield sock.getsockname()[1]
 
 
 def group_world_size() -> int:
@@ -136,9 +141,10 @@ def init_distributed(timeout_minutes: float | None = None) -> DistEnv:
         backend = "nccl" if device.type == "cuda" else "gloo"
         groups_default_to(timedelta(minutes=minutes))
         if lone:
-            deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes),
-                                       auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                       rank=0, world_size=1)
+            with reserved_port() as port:
+                deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes),
+                                           auto_mpi_discovery=False, init_method=f"tcp://127.0.0.1:{port}",
+                                           rank=0, world_size=1)
         else:
             with reporting_the_wait():
                 deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(minutes=minutes))

@@ -87,13 +87,12 @@ def check_settings(s: SpSettings) -> None:
 
 def run_sp_benchmark(s: SpSettings, progress: bool = True) -> dict:
     """Launch `s.ranks` ranks, measure, and summarise rank 0's gathered record."""
-    from tapetrain.distributed import free_port
+    from tapetrain.distributed import reserved_port
 
     check_settings(s)
     load_before = os.getloadavg()  # a shared machine: how busy it was says how far to trust the spread
-    port = free_port()
-    log.info("launching %d ranks (gloo on 127.0.0.1:%d, %d thread(s) each)", s.ranks, port, s.threads)
-    with tempfile.TemporaryDirectory(prefix="tapetrain-sp-") as tmp:
+    with reserved_port() as port, tempfile.TemporaryDirectory(prefix="tapetrain-sp-") as tmp:
+        log.info("launching %d ranks (gloo on 127.0.0.1:%d, %d thread(s) each)", s.ranks, port, s.threads)
         raw_path = Path(tmp) / "raw.json"
         torch.multiprocessing.start_processes(_rank_main, args=(s, port, str(raw_path), progress), nprocs=s.ranks,
                                               join=True, start_method="spawn")  # fmt: skip

@@ -50,3 +50,18 @@ def other_tokenizer_dir(shard_dir, tmp_path_factory):
     train_tokenizer([str(root / "corpus.jsonl")], 512, str(root / "other.model"))
     prepare([str(shard_dir.parent / "corpus.jsonl")], str(root / "other.model"), str(root / "data"), progress=False)
     return root / "data"
+
+
+@pytest.fixture(scope="session")
+def two_checkpoints(tmp_path_factory, small_shard_dir) -> Path:
+    """2 ranks, ZeRO-2, 4 steps: checkpoints at steps 2 and 4, in `run`; the launcher's output (stdout and stderr
+    together) in launch.log beside it. One launch for test_damaged_checkpoints (which damages copies of it) and
+    test_background_hashing (which reads it); no test changes it."""
+    from harness import attempt, launcher_cmd, write_config
+
+    root = tmp_path_factory.mktemp("two")
+    cfg = write_config(root / "c.yaml", small_shard_dir, root / "run", train={"steps": 4, "save_interval": 2})
+    proc = attempt(launcher_cmd(cfg, 2))
+    (root / "launch.log").write_text(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    return root / "run"

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -17,10 +17,20 @@ REPO = Path(__file__).resolve().parents[2]
 DEEPSPEED = shutil.which("deepspeed", path=str(Path(sys.executable).parent)) or "deepspeed"
 
 
+# Sockets that keep the last ports free_port() handed out bound (see there); older ones are long done with.
+_HELD: collections.deque[socket.socket] = collections.deque(maxlen=64)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port the OS picked (bind to port 0), kept bound by this process while a launch uses it: the socket has
+    SO_REUSEADDR and does not listen, so the rank-0 rendezvous (TCPStore binds with SO_REUSEADDR) can still listen on
+    it, while no other port-0 pick on the machine (another test, another job) is given it. Adding a random offset to
+    a free port, as this did, could land on a busy one."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    _HELD.append(sock)  # the oldest reservation closes when the deque drops it
+    return sock.getsockname()[1]
 
 
 def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
@@ -60,7 +70,7 @@ def single_cmd(config: Path, *overrides: str) -> list[str]:
 
 
 def launcher_cmd(config: Path, ranks: int, *overrides: str) -> list[str]:
-    port = free_port() + random.randint(0, 50)
+    port = free_port()
     return [
         DEEPSPEED,
         "--num_gpus",
@@ -100,7 +110,7 @@ def attempt(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 
 def script_launcher_cmd(script: Path, ranks: int, *args: str) -> list[str]:
     """`deepspeed --num_gpus N script.py ARGS` (each rank runs `python -u script.py --local_rank=R ARGS`)."""
-    return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port() + random.randint(0, 50)),
+    return [DEEPSPEED, "--num_gpus", str(ranks), "--master_port", str(free_port()),
             str(script), *args]
 
 

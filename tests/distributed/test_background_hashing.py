@@ -11,7 +11,7 @@ import json
 import re
 
 import pytest
-from harness import REPO, attempt, launcher_cmd, script_launcher_cmd, write_config
+from harness import REPO, attempt, script_launcher_cmd, write_config
 
 from tapetrain.checkpoint import manifest, store
 from tapetrain.checkpoint.completion import THREAD_NAME
@@ -19,12 +19,10 @@ from tapetrain.checkpoint.completion import THREAD_NAME
 pytestmark = pytest.mark.slow
 
 
-def test_manifests_are_hashed_off_the_training_thread_and_complete_at_the_end(tmp_path, small_shard_dir):
-    out = tmp_path / "run"
-    cfg = write_config(tmp_path / "c.yaml", small_shard_dir, out, train={"steps": 4, "save_interval": 2})
-    proc = attempt(launcher_cmd(cfg, 2))
-    assert proc.returncode == 0, proc.stdout[-4000:]
-    log = proc.stdout
+def test_manifests_are_hashed_off_the_training_thread_and_complete_at_the_end(two_checkpoints):
+    """The session's 2-rank, 4-step run with saves at steps 2 and 4 (tests/distributed/conftest.py)."""
+    out = two_checkpoints
+    log = (out.parent / "launch.log").read_text()
     checkpoints = store.complete_checkpoints(out)
     assert [step for step, _ in checkpoints] == [2, 4]
     for _, checkpoint in checkpoints:

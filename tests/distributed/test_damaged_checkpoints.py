@@ -1,5 +1,6 @@
 """Damaged checkpoints (issue 21, cases 1, 2 and 4), with real DeepSpeed: one 2-rank ZeRO-2 run saves two
-checkpoints, then copies of it are damaged in several ways.
+checkpoints (the session's `two_checkpoints`, tests/distributed/conftest.py), then copies of it are damaged in several
+ways.
 
 Before the fix: a truncated model or optimizer file or trainer_state.json stopped with the loader's own error
 (tracebacks on every rank under the launcher) and a flipped byte trained on silently; a failing load had already
@@ -23,15 +24,6 @@ pytestmark = pytest.mark.slow
 
 NEWEST, OLDER = "step_00000004", "step_00000002"
 MODEL, OPTIM_1 = "mp_rank_00_model_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-
-
-@pytest.fixture(scope="module")
-def two_checkpoints(tmp_path_factory, small_shard_dir) -> Path:
-    """2 ranks, ZeRO-2, 4 steps: checkpoints at steps 2 and 4."""
-    root = tmp_path_factory.mktemp("two")
-    cfg = write_config(root / "c.yaml", small_shard_dir, root / "run", train={"steps": 4, "save_interval": 2})
-    run(launcher_cmd(cfg, 2))
-    return root / "run"
 
 
 def copy_run(source: Path, data: Path, tmp_path: Path, name: str = "run", **train) -> tuple[Path, Path]:

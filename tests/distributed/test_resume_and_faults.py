@@ -117,7 +117,9 @@ def test_resume_on_a_different_number_of_ranks(tmp_path, shard_dir, stage):
     run(launcher_cmd(write_config(tmp_path / "s.yaml", shard_dir, straight, deepspeed={"zero_stage": stage}), 2))
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "r.yaml", shard_dir, out, deepspeed={"zero_stage": stage})
-    run(launcher_cmd(cfg, 2))  # the same 6-step LR schedule; checkpoints at steps 3 and 6
+    # The run to resume is that same 2-rank run (6-step LR schedule, checkpoints at steps 3 and 6): a copy of it,
+    # not a second identical launch.
+    shutil.copytree(straight, out)
     shutil.rmtree(out / "checkpoints" / "step_00000006")  # resume from step 3, now on one rank
     if stage == 3:
         reset = tmp_path / "reset"

@@ -30,13 +30,19 @@ def config(path, data, out, **train):
 
 
 @pytest.fixture(scope="module")
-def references(arith_dir, tmp_path_factory):
+def two_rank_run(arith_dir, tmp_path_factory):
+    """The uninterrupted 2-rank run's directory (checkpoints at steps 15 and 30); tests copy it, never change it."""
+    two = tmp_path_factory.mktemp("refs") / "two"
+    run(launcher_cmd(config(two.parent / "two.yaml", arith_dir, two), 2))
+    return two
+
+
+@pytest.fixture(scope="module")
+def references(arith_dir, two_rank_run, tmp_path_factory):
     """Uninterrupted runs: 2 ranks and 1 rank, same global batch (8) and micro batch (2)."""
-    root = tmp_path_factory.mktemp("refs")
-    two, one = root / "two", root / "one"
-    run(launcher_cmd(config(root / "two.yaml", arith_dir, two), 2))
-    run(single_cmd(config(root / "one.yaml", arith_dir, one)))
-    return losses(two), losses(one)
+    one = tmp_path_factory.mktemp("refs") / "one"
+    run(single_cmd(config(one.parent / "one.yaml", arith_dir, one)))
+    return losses(two_rank_run), losses(one)
 
 
 def test_examples_train_the_same_on_one_and_two_ranks(references):
@@ -60,11 +66,11 @@ def test_sigkill_and_resume_gives_identical_losses(arith_dir, references, tmp_pa
     assert losses(out) == one  # bit-identical per-step losses, every step logged once
 
 
-def test_resume_on_a_different_number_of_ranks(arith_dir, references, tmp_path):
+def test_resume_on_a_different_number_of_ranks(arith_dir, references, two_rank_run, tmp_path):
     two, _ = references
     out = tmp_path / "run"
     cfg = config(tmp_path / "r.yaml", arith_dir, out)
-    run(launcher_cmd(cfg, 2))  # checkpoints at steps 15 and 30
+    shutil.copytree(two_rank_run, out)  # that 2-rank run (checkpoints at steps 15 and 30), not a second launch of it
     shutil.rmtree(out / "checkpoints" / f"step_{STEPS:08d}")
     proc = run(single_cmd(cfg))  # resume from step 15 on one rank (universal checkpoint for ZeRO-2)
     assert "saved on 2" in proc.stderr

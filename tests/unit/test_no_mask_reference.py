@@ -1,57 +1,66 @@
-"""Without document ids the model computes today's result bit for bit: the logits, loss and every gradient of a
-training step equal (sha256 of the bytes) those of the code before document masking (661e90c^1, the first parent
-of the issue-26 merge) for every encoding in eager and sdpa. tests/unit/no_mask_reference.py says how the fixture
-was written; CPU float results are only reproducible with the same torch and CPU kernels, so elsewhere the test
-skips (regenerate the fixture there from the base commit to use it)."""
+"""Without document ids the model computes what the code before document masking computed (661e90c^1, the first
+parent of the issue-26 merge): the logits, loss and every gradient of a training step, for every encoding in eager
+and sdpa, to float32 rounding. tests/unit/no_mask_reference.py says how the fixture was written: per tensor its norm
+and 4 random projections, which any CPU reproduces to rounding (eager against sdpa differ by up to 3e-6 of a
+tensor's norm, one thread against two by 3e-7) and any change of meaning moves by far more (one changed input token
+moves the logits' by 0.2 of their norm, the loss by 2e-3: the last test). Computed in this process; no skip on any
+CPU or torch."""
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
-import torch
 
-from tests.unit.no_mask_reference import CASES, case_name
+from tests.unit.no_mask_reference import CASES, case_name, one_case, one_thread
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "no_mask_reference.json"
+TOLERANCE = 1e-4  # of the tensor's norm: over 30x the eager/sdpa spread, 20x below a one-token change of the loss
+# A gradient that is zero but for rounding (FIRE's last MLP bias: its output is shift-invariant after the softmax)
+# is measured against this fraction of the step's whole gradient norm instead of its own (noise-sized) norm.
+GRAD_FLOOR = 1e-3
 
 
-def load_fixture() -> dict:
-    ref = json.loads(FIXTURE.read_text())
-    here = (torch.__version__, torch.backends.cpu.get_cpu_capability())
-    if (ref["torch"], ref["cpu"]) != here:
-        pytest.skip(f"fixture from torch {ref['torch']} on {ref['cpu']}, this is {here[0]} on {here[1]}")
-    return ref["cases"]
+def differences(got: dict, expected: dict) -> list[str]:
+    """The tensors whose norm or any projection differs from the expected by more than the tolerance allows."""
+    assert got.keys() == expected.keys()
+    grad_norm = math.sqrt(sum(v["norm"] ** 2 for k, v in expected.items() if k.startswith("grad:")))
+    out = []
+    for name, exp in expected.items():
+        scale = max(exp["norm"], GRAD_FLOOR * grad_norm) if name.startswith("grad:") else exp["norm"]
+        values = zip([got[name]["norm"], *got[name]["proj"]], [exp["norm"], *exp["proj"]], strict=True)
+        worst = max(abs(g - e) for g, e in values)
+        if worst > TOLERANCE * scale:
+            out.append(f"{name} (off by {worst / scale:.1e} of its scale)")
+    return out
 
 
 @pytest.fixture(scope="module")
-def digests_here(tmp_path_factory) -> dict:
-    """The digests computed now, by the script that wrote the fixture, in a fresh interpreter as it was written:
-    in the pytest process FIRE's MLP bias gradients came out different in the last bits after hundreds of other
-    tests, though not alone (most likely a CPU sum whose lanes follow the memory alignment, and so what the
-    process allocated before). A fresh interpreter is the condition the digests describe."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("no_mask") / "digests.json"
-    repo = Path(__file__).parents[2]
-    proc = subprocess.run([sys.executable, "-m", "tests.unit.no_mask_reference", "--write", str(out)], cwd=repo,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text())["cases"]
+def expected() -> dict:
+    return json.loads(FIXTURE.read_text())["cases"]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case_name(*c) for c in CASES])
-def test_no_doc_ids_is_bit_identical_to_the_base_commit(case, digests_here):
-    expected = load_fixture()[case_name(*case)]
-    got = digests_here[case_name(*case)]
-    assert got.keys() == expected.keys()
-    differ = [name for name in got if got[name] != expected[name]]
-    assert not differ, f"not bit-identical to the base commit: {differ}"
+def test_no_doc_ids_computes_what_the_base_commit_computed(case, expected):
+    got = one_thread(one_case, *case)
+    differ = differences(got, expected[case_name(*case)])
+    assert not differ, f"not the base commit's step: {differ}"
 
 
-def test_the_fixture_covers_every_case_and_tells_them_apart():
-    cases = json.loads(FIXTURE.read_text())["cases"]
-    assert set(cases) == {case_name(*c) for c in CASES}
-    assert len({c["logits"] for c in cases.values()}) == len(cases) - 1  # fire: eager and sdpa agree bit for bit
+def test_the_fixture_covers_every_case_and_tells_the_encodings_apart(expected):
+    assert set(expected) == {case_name(*c) for c in CASES}
+    for a in expected:
+        for b in expected:
+            if a.split("/")[0] != b.split("/")[0] or a.split("/")[2:] != b.split("/")[2:]:
+                logits = [{"logits": expected[a]["logits"]}, {"logits": expected[b]["logits"]}]
+                assert differences(*logits), (a, b)  # the logits tell them apart
+
+
+def test_one_changed_input_token_is_noticed(expected):
+    """The comparison's power: a different token at one position of one row (a far smaller change of meaning than
+    a mask or encoding changed) moves the logits and the gradients far beyond the tolerance."""
+    case = ("tape", "eager", {})
+    differ = differences(one_thread(one_case, *case, change_input=True), expected[case_name(*case)])
+    assert any(d.startswith("logits") for d in differ) and any(d.startswith("grad:") for d in differ), differ

@@ -20,9 +20,10 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = textwrap.dedent(
     """
     import json, os, socket, sys
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    held = socket.socket()  # bound (SO_REUSEADDR, not listening) until the rendezvous listens: no other pick gets it
+    held.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    held.bind(("127.0.0.1", 0))
+    port = held.getsockname()[1]
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     import torch, deepspeed
@@ -43,6 +44,7 @@ SCRIPT = textwrap.dedent(
 
     skip_cpu_shm_op_build()  # no C++ build on CPU (see tapetrain.distributed)
     deepspeed.init_distributed(dist_backend="gloo")
+    held.close()
     torch.manual_seed(0)
     model = Transformer(cfg.model.model_config())
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
