@@ -60,7 +60,9 @@ def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
 def env() -> dict:
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    # TRITON_INTERPRET: the kernel test modules set it in this process at import (CPU runs of the Triton kernel);
+    # a run inherits it only where a test asks for it, else `model.attn_backend=triton` would pass on a CPU.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET"):
         e.pop(key, None)
     return e
 
