@@ -103,6 +103,13 @@ class ModelConfig:
         "TAPE: keep the MLP update equivariant (contract heads only). false = the ablation without the equivariance "
         "constraints, as the official code's non-equivariant variant: the update mixes all heads × frequencies.",
     )
+    tape_fused_updates: bool | Literal["auto"] = option(
+        "auto",
+        "TAPE: run E's updates (the q/k rotation by E, the head mix and the MLP-side update) as fused Triton kernels "
+        "that never write the (B, T, I, D) intermediates. auto = on a GPU where they passed their gpu-marked tests "
+        "(the verified-paths record), eager elsewhere; true = always (on CPU only under TRITON_INTERPRET=1, for "
+        "checks); false = eager. Same results; the non-equivariant ablation always runs eager.",
+    )
     tape_layers: list[int] | None = option(
         None,
         "TAPE: indices of the layers that update E (null = all; the last layer's update is never built, as the final "
@@ -262,6 +269,8 @@ class ModelConfig:
         if self.tiled_mlp != "auto" and (isinstance(self.tiled_mlp, bool) or not isinstance(self.tiled_mlp, int)
                                          or self.tiled_mlp < 0):
             fail("tiled_mlp", f"must be a chunk count >= 0 or 'auto', got {self.tiled_mlp!r}", "use 0 (off), 4 or auto")
+        if self.tape_fused_updates not in (True, False, "auto"):
+            fail("tape_fused_updates", f"must be true, false or auto, got {self.tape_fused_updates!r}", "use auto")
         if self.attn_backend not in ATTN_BACKENDS:
             fail("attn_backend", f"unknown backend {self.attn_backend!r}", f"choose one of {', '.join(ATTN_BACKENDS)}")
         return self

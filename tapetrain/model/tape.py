@@ -17,12 +17,29 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapetrain.model.positions import rotate_pairs
+from tapetrain.model.tape_fused import use_fused_updates
 
 
 def rotate_by_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
     """x̃ = E^T x blockwise: x and state E = [c ‖ s] of one shape, e.g. (B, T, M, D). For E = RoPE this is RoPE."""
     half = state.shape[-1] // 2
     return rotate_pairs(x, state[..., :half], state[..., half:])
+
+
+def rotate_qk_by_state(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor,
+                       fused: bool | str = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """q (B, T, H, D), k (B, T, Hkv, D), E (B, T, H, D) -> q̃, k̃ both (B, T, H, D) token-major.
+
+    E is per query head, so keys are expanded to the query heads before their rotation (GQA memory cost: H/Hkv).
+    `fused` = model.tape_fused_updates: the fused kernel reads q, k and E once and never materialises the
+    expanded keys' input copy."""
+    if use_fused_updates(fused, q.device, q.dtype):
+        from tapetrain.kernels.tape_rotation import tape_rotate_qk  # lazy: triton is optional
+
+        return tape_rotate_qk(q, k, state)
+    groups = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(groups, dim=2) if groups > 1 else k
+    return rotate_by_state(q, state), rotate_by_state(k, state)
 
 
 class TapeHeadMix(nn.Module):
@@ -32,15 +49,20 @@ class TapeHeadMix(nn.Module):
     Zero-initialised, so a fresh or retrofitted model starts as its RoPE twin.
     """
 
-    def __init__(self, n_heads: int, mode: str):
+    def __init__(self, n_heads: int, mode: str, fused: bool | str = False):
         super().__init__()
         self.mode = mode
+        self.fused = fused  # model.tape_fused_updates (model/tape_fused.py)
         shape = (n_heads, n_heads) if mode == "full" else (n_heads,)
         self.weight = nn.Parameter(torch.zeros(shape))
 
     def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """state, attended = A·E: (B, T, M, D) -> updated state (B, T, M, D)."""
         weight = self.weight.to(attended.dtype)
+        if use_fused_updates(self.fused, state.device, state.dtype):
+            from tapetrain.kernels.tape_head_mix import tape_head_mix  # lazy: triton is optional
+
+            return tape_head_mix(state, attended, weight)  # the residual fused in, no E-sized temporary
         if self.mode == "full":
             mixed = torch.matmul(weight, attended)  # (M, M) @ (B, T, M, D): one small product per token
         else:
@@ -55,8 +77,9 @@ class TapeMlpUpdate(nn.Module):
     (the paper's zero W2); W_x and W_up keep the normal init so W_down receives gradient from step 0.
     """
 
-    def __init__(self, d_model: int, n_heads: int, channels: int):
+    def __init__(self, d_model: int, n_heads: int, channels: int, fused: bool | str = False):
         super().__init__()
+        self.fused = fused  # model.tape_fused_updates (model/tape_fused.py)
         self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
         self.up_proj = nn.Linear(n_heads, channels, bias=False)  # W_up: M -> I
         self.down_proj = nn.Linear(channels, n_heads, bias=False)  # W_down: I -> M
@@ -64,6 +87,11 @@ class TapeMlpUpdate(nn.Module):
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         """state (B, T, M, D), mlp_out (B, T, C) -> updated state (B, T, M, D)."""
+        if use_fused_updates(self.fused, state.device, state.dtype):
+            from tapetrain.kernels.tape_mlp_update import tape_mlp_update  # lazy: triton is optional
+
+            # W_x·m (B, T, I) is an ordinary projection; the kernel applies the SiLU and never writes (B, T, I, D)
+            return tape_mlp_update(state, self.x_proj(mlp_out), self.up_proj.weight, self.down_proj.weight)
         gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
         up = torch.matmul(self.up_proj.weight, state)  # (I, M) @ (B, T, M, D) -> (B, T, I, D)
         hidden = up * gate[..., None]  # (B, T, I, D)

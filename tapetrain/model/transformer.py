@@ -33,7 +33,7 @@ from tapetrain.model.fire import FireBias
 from tapetrain.model.loss import IGNORE_INDEX, LMHead, count_targets, upcast
 from tapetrain.model.positions import PositionalEncoding, PositionContext
 from tapetrain.model.sequence_shard import SequenceShard, local_tokens
-from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, TapeMlpUpdateNonEquivariant, rotate_by_state
+from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, TapeMlpUpdateNonEquivariant, rotate_qk_by_state
 from tapetrain.model.tiling import tile_count, tiled
 
 
@@ -81,7 +81,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale  # None = 1/√D; YaRN/LongRoPE's temperature, on the logits only
         self.tape_mix = (
-            TapeHeadMix(cfg.n_heads, cfg.tape_head_mix)
+            TapeHeadMix(cfg.n_heads, cfg.tape_head_mix, cfg.tape_fused_updates)
             if cfg.pe == "tape" and cfg.tape_attn_update and updates_state
             else None
         )
@@ -103,11 +103,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         e_values = None  # E as extra value channels (B, S, M, D), for layers that update it
         if state is not None:
-            # E (B, T, M, D) is per query head, so keys are expanded to query heads before rotation (GQA memory
-            # cost: H/Hkv). Everything stays token-major; the attention backends take heads-first views.
-            groups = self.n_heads // self.n_kv
-            k = rotate_by_state(k.repeat_interleave(groups, dim=2) if groups > 1 else k, state).transpose(1, 2)
-            q = rotate_by_state(q, state).transpose(1, 2)
+            # Everything stays token-major (keys expanded to the query heads); the backends take heads-first views.
+            q, k = rotate_qk_by_state(q, k, state, self.cfg.tape_fused_updates)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             e_values = state if self.tape_mix is not None else None
         else:
             q, k = pe.rotate_qk(q.transpose(1, 2), k.transpose(1, 2), ctx)
@@ -183,7 +181,9 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
         self.tape_mlp = (
-            TapeMlpUpdate(cfg.d_model, cfg.n_heads, cfg.tape_dim) if updates_state and cfg.tape_mlp_update else None
+            TapeMlpUpdate(cfg.d_model, cfg.n_heads, cfg.tape_dim, cfg.tape_fused_updates)
+            if updates_state and cfg.tape_mlp_update
+            else None
         )
         if self.tape_mlp is not None and not cfg.tape_equivariant:  # the ablation without equivariance
             self.tape_mlp = TapeMlpUpdateNonEquivariant(cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.tape_dim)

@@ -1,11 +1,11 @@
 """Which fused GPU paths have passed their tests on which kind of GPU: the record `auto` consults.
 
 A *path* is one way a computation runs: (kind, backend, GPU capability, dtype, features). Kinds are "attention"
-(features: `e` = TAPE's state as extra values, `docs` = document mask, `gqa` = fewer key than query heads) and
-"loss" (the fused linear cross-entropy). The GPU campaign (`make gpu-check`) runs the gpu-marked tests; each test
-declares what it verifies with `@pytest.mark.verifies(...)`, and `tapetrain.bench.verified_record` turns the
-junit XML into a campaign record. Committed campaigns live in `verified_paths.json` next to this file
-(`tools/verified_paths.py merge` adds one).
+(features: `e` = TAPE's state as extra values, `docs` = document mask, `gqa` = fewer key than query heads), "loss"
+(the fused linear cross-entropy) and "tape_update" (TAPE's fused E updates, model/tape_fused.py). The GPU campaign
+(`make gpu-check`) runs the gpu-marked tests; each test declares what it verifies with `@pytest.mark.verifies(...)`,
+and `tapetrain.bench.verified_record` turns the junit XML into a campaign record. Committed campaigns live in
+`verified_paths.json` next to this file (`tools/verified_paths.py merge` adds one).
 
 `auto` picks a fused path (Triton, flash-attn, FlexAttention, liger) only where the newest campaign on that GPU
 capability that tested it saw it pass; otherwise it falls back to PyTorch's own kernels (SDPA, the chunked loss).
@@ -29,13 +29,13 @@ RECORD_FILE = Path(__file__).with_name("verified_paths.json")
 RECORD_ENV = "TAPETRAIN_VERIFIED_PATHS"  # another record (a test's, or a cluster's own campaign)
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Always available to auto as the fallback: PyTorch's own kernels. They are recorded too when a campaign tests them.
-FALLBACKS = {"attention": ("sdpa", "eager"), "loss": ("chunked", "plain")}
+FALLBACKS = {"attention": ("sdpa", "eager"), "loss": ("chunked", "plain"), "tape_update": ("eager",)}
 HOW_TO_VERIFY = "run `make gpu-check` on this kind of GPU and commit its verified-paths.json (docs/performance.md)"
 
 
 @dataclass(frozen=True)
 class GpuPath:
-    kind: str  # "attention" | "loss"
+    kind: str  # "attention" | "loss" | "tape_update"
     backend: str
     capability: str  # "9.0" (H100, H200), "8.0" (A100), ...
     dtype: str  # "bf16" | "fp16" | "fp32"

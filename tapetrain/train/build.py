@@ -22,7 +22,7 @@ from tapetrain.parallel import ParallelLayout
 from tapetrain.train import resume_checks
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
 from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, ROPE_FIELDS, build_model, resolve_model_config
-from tapetrain.train.start_checks import check_attention_backend
+from tapetrain.train.start_checks import check_attention_backend, check_fused_updates
 from tapetrain.train.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -103,6 +103,7 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
                                   f"{cfg.model.init_from} has vocab_size={vocab}; prepare the data with the "
                                   "checkpoint's tokenizer (`tapetrain data prepare --tokenizer CHECKPOINT_DIR`)")
         check_attention_backend(model_config, env.device)
+        check_fused_updates(model_config, env.device)
         if train.document_mask and model_config.s2_attn:
             raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document "
                               "mask; set model.s2_attn=false or data.document_mask=false")

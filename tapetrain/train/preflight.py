@@ -129,6 +129,10 @@ def attention_plan_lines(model_config: ModelConfig, precision: str, document_mas
         what = "layers carrying TAPE's E" if has_e else "layers without E"
         span = f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
         lines.append(f"  {what} ({span}): {backend} ({state})")
+    if model_config.pe == "tape":
+        from tapetrain.model.tape_fused import plan_line
+
+        lines.append(plan_line(model_config.tape_fused_updates, device, dtype))
     return lines
 
 

@@ -31,7 +31,7 @@ log = logging.getLogger("tapetrain.train")
 
 # Fields that change how the same model is computed, never its parameters or its function.
 EXECUTION_ONLY_MODEL_FIELDS = ("attn_backend", "activation_checkpointing", "compile", "loss_backend", "loss_chunk_mib",
-                               "tiled_mlp")
+                               "tiled_mlp", "tape_fused_updates")
 # Settings a resume applies from the resumed step on (the log lists the ones that changed).
 RESUMABLE_SETTINGS = ("optim", "train.grad_clip", "train.steps")
 

@@ -1,6 +1,6 @@
-"""Checks of a start that need no engine: an attention backend this machine cannot run, and (for --dry-run) what
-remote data would fail on later: the cache directory, the cache limit against the shard sizes, every shard's
-presence. Each raises a one-line ConfigError or DataError naming the problem and the fix."""
+"""Checks of a start that need no engine: an attention backend or fused TAPE updates this machine cannot run, and
+(for --dry-run) what remote data would fail on later: the cache directory, the cache limit against the shard
+sizes, every shard's presence. Each raises a one-line ConfigError or DataError naming the problem and the fix."""
 
 from __future__ import annotations
 
@@ -33,6 +33,16 @@ def check_attention_backend(model_config: ModelConfig, device: torch.device) -> 
                  "flex": "torch's FlexAttention"}.get(name, name)
         raise ConfigError(f"model.attn_backend={name} cannot run on this {device.type} machine (it needs {needs}); "
                           "use model.attn_backend=auto (or sdpa), or run on a machine that has it")
+
+
+def check_fused_updates(model_config: ModelConfig, device: torch.device) -> None:
+    """model.tape_fused_updates=true must be able to run its kernels here (else step 1 would raise)."""
+    from tapetrain.model.tape_fused import cannot_run_reason
+
+    if model_config.pe == "tape" and model_config.tape_fused_updates is True:
+        reason = cannot_run_reason(device)
+        if reason is not None:
+            raise ConfigError(f"model.tape_fused_updates=true cannot run on this {device.type} machine: {reason}")
 
 
 def remote_sources(*datasets: Any) -> list[Any]:

@@ -1,0 +1,101 @@
+"""Whether TAPE's E updates run as fused Triton kernels: model.tape_fused_updates (auto | true | false).
+
+The fused kernels (tapetrain.kernels.tape_rotation, tape_head_mix, tape_mlp_update) compute exactly what the eager
+modules in model/tape.py compute, without writing their E-sized intermediates. `auto` takes them only on a GPU
+capability where the verified-paths record says their gpu-marked tests passed (kind "tape_update"), so a GPU
+nobody has tested them on keeps the eager path; `true` takes them everywhere (on CPU through the Triton
+interpreter, TRITON_INTERPRET=1 — slow, for end-to-end checks of the kernels), with one warning on an unverified
+GPU; `false` never.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from tapetrain.model import verified_paths
+
+log = logging.getLogger("tapetrain.model")
+
+KIND = "tape_update"
+INTERPRETER_HINT = ("set TRITON_INTERPRET=1 in the environment before the run starts (the kernels then run in "
+                    "Triton's CPU interpreter: slow, for checks), or set model.tape_fused_updates=auto")
+
+
+def triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreter_on() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def fused_path(device: torch.device, dtype: torch.dtype) -> verified_paths.GpuPath:
+    """The verified-paths key of the fused updates on a CUDA device."""
+    capability, dtype_name = verified_paths.capability_of(device), verified_paths.dtype_name(dtype)
+    return verified_paths.GpuPath(KIND, "triton", capability, dtype_name)
+
+
+def cannot_run_reason(device: torch.device) -> str | None:
+    """Why `true` cannot run the kernels on `device` (None when it can)."""
+    if not triton_installed():
+        return "triton is not installed (pip install 'tapetrain[gpu]', or triton)"
+    if device.type != "cuda" and not interpreter_on():
+        return f"the kernels run on CUDA, or on {device.type} only in Triton's interpreter; {INTERPRETER_HINT}"
+    return None
+
+
+_decisions: dict[tuple, bool] = {}
+
+
+def use_fused_updates(setting: bool | str, device: torch.device, dtype: torch.dtype) -> bool:
+    """Resolve model.tape_fused_updates for tensors on `device` of `dtype`; logs each new decision once."""
+    key = (setting, device.type, device.index, dtype)
+    if key in _decisions:
+        return _decisions[key]
+    if setting is False:
+        choice = False
+    elif setting is True:
+        reason = cannot_run_reason(device)
+        if reason is not None:
+            raise RuntimeError(f"model.tape_fused_updates=true: {reason}")
+        if device.type == "cuda":
+            verified_paths.warn_if_unverified(fused_path(device, dtype))
+        choice = True
+    else:
+        choice = device.type == "cuda" and triton_installed() and verified_paths.is_verified(fused_path(device, dtype))
+    _decisions[key] = choice
+    if not torch.compiler.is_compiling():
+        log.info("TAPE's E updates (model.tape_fused_updates=%s) on %s %s: %s", setting, device.type,
+                 verified_paths.dtype_name(dtype), "fused Triton kernels" if choice else "eager")
+    return choice
+
+
+def plan_line(setting: bool | str, device: torch.device, dtype: torch.dtype) -> str:
+    """--print-config's line: what the setting resolves to on this device, and whether that path is verified."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    head = f"TAPE's E updates (model.tape_fused_updates={str(setting).lower()} on {where}): "
+    if setting is True and cannot_run_reason(device) is not None:
+        return head + f"refused ({cannot_run_reason(device)})"
+    fused = setting is True or (setting == "auto" and device.type == "cuda" and triton_installed()
+                                and verified_paths.is_verified(fused_path(device, dtype)))
+    if not fused:
+        why = "asked for" if setting is False else (
+            "auto: not verified on this GPU" if device.type == "cuda" else f"auto: eager on {device.type}")
+        return head + f"eager ({why})"
+    if device.type != "cuda":
+        return head + "fused Triton kernels (CPU interpreter: correctness checks only)"
+    verified = verified_paths.is_verified(fused_path(device, dtype))
+    return head + "fused Triton kernels (" + ("verified" if verified else
+                                              f"UNVERIFIED on this GPU; {verified_paths.HOW_TO_VERIFY}") + ")"
+
+
+def clear_decisions() -> None:
+    """Forget the decisions made (tests that change TRITON_INTERPRET or the record)."""
+    _decisions.clear()
