@@ -186,8 +186,9 @@ def _configs(kind: str, dtype: torch.dtype, block_m: int, block_d: int) -> list[
         return [(4, 16, 1, 1)]  # several programs and I chunks even at test shapes
     wide = block_m * block_d >= 4096 or dtype == torch.float32  # (32, 128) tiles: spread over 8 warps
     warps = 8 if wide else 4
-    tokens = 128 if kind == "dweight" else 16
-    return [(tokens, 32, warps, 2), (tokens, 16, warps, 1), (tokens, 16, 8, 1)]
+    if kind == "dweight":  # two fp32 weight accumulators live across the token loop: 16-channel chunks
+        return [(128, 16, warps, 2), (128, 16, warps, 1), (128, 16, 8, 1)]  # (128, 32, 8, 2) spills at M = 32
+    return [(16, 32, warps, 2), (16, 16, warps, 1), (16, 16, 8, 1)]
 
 
 class _Capture:
