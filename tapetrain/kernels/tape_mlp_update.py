@@ -138,15 +138,15 @@ def _bwd_weight_kernel(
 ):  # fmt: skip
     # One program per (token tile, I chunk, b): fp32 partials of d_W_up (BI, BM) and d_W_down (BM, BI) over its
     # tokens, stored at partial index p = b · N_TILES + tile of DWU (P, I, M) and DWD (P, M, I), contiguous.
+    # Every column d contributes independently, so D is walked in BLOCK_D chunks (fp32 uses half of D at a time).
     pid_t = tl.program_id(0)
     pid_i = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d0 = tl.arange(0, BLOCK_D)
     offs_i = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
     m_ok = offs_m < M
     i_ok = offs_i < CH
-    md_ok = m_ok[:, None] & (offs_d[None, :] < D)
     im_ok = i_ok[:, None] & m_ok[None, :]
     wu = tl.load(WU + offs_i[:, None] * swui + offs_m[None, :] * swum, mask=im_ok, other=0.0)  # (BI, BM)
     wdt = tl.load(WD + offs_i[:, None] * swdi + offs_m[None, :] * swdm, mask=im_ok, other=0.0)  # (BI, BM)
@@ -154,17 +154,21 @@ def _bwd_weight_kernel(
     acc_wd = tl.zeros([BLOCK_M, BLOCK_I], tl.float32)
     t0 = pid_t.to(tl.int64) * BLOCK_T  # int64 token offsets: T · stride may pass 2³¹
     for t in range(t0, tl.minimum(t0 + BLOCK_T, T)):
-        e = tl.load(E + b * seb + t * set_ + offs_m[:, None] * sem + offs_d[None, :] * sed, mask=md_ok, other=0.0)
-        do = tl.load(DO + b * sdob + t * sdot + offs_m[:, None] * sdom + offs_d[None, :] * sdod,
-                     mask=md_ok, other=0.0)  # (BM, BD)
         x = tl.load(G + b * sgb + t * sgt + offs_i * sgi, mask=i_ok, other=0.0).to(tl.float32)
         gate = x * tl.sigmoid(x)  # (BI,)
-        up = tl.dot(wu, e, input_precision=PRECISION)  # (BI, BD)
-        gd = tl.dot(wdt, do, input_precision=PRECISION)  # (BI, BD)
-        h = (up * gate[:, None]).to(e.dtype)
-        dh = (gd * gate[:, None]).to(e.dtype)
-        acc_wd += tl.dot(do, tl.trans(h), input_precision=PRECISION)  # Σ_d dO h: (BM, BI)
-        acc_wu += tl.dot(dh, tl.trans(e), input_precision=PRECISION)  # Σ_d dh Eᵀ: (BI, BM)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + offs_d0
+            md_ok = m_ok[:, None] & (offs_d[None, :] < D)
+            e = tl.load(E + b * seb + t * set_ + offs_m[:, None] * sem + offs_d[None, :] * sed, mask=md_ok,
+                        other=0.0)  # (BM, BD)
+            do = tl.load(DO + b * sdob + t * sdot + offs_m[:, None] * sdom + offs_d[None, :] * sdod,
+                         mask=md_ok, other=0.0)  # (BM, BD)
+            up = tl.dot(wu, e, input_precision=PRECISION)  # (BI, BD)
+            gd = tl.dot(wdt, do, input_precision=PRECISION)  # (BI, BD)
+            h = (up * gate[:, None]).to(e.dtype)
+            dh = (gd * gate[:, None]).to(e.dtype)
+            acc_wd += tl.dot(do, tl.trans(h), input_precision=PRECISION)  # Σ_d dO h: (BM, BI)
+            acc_wu += tl.dot(dh, tl.trans(e), input_precision=PRECISION)  # Σ_d dh Eᵀ: (BI, BM)
     p = b * N_TILES + pid_t
     tl.store(DWU + p * CH * M + offs_i[:, None] * M + offs_m[None, :], acc_wu, mask=im_ok)
     tl.store(DWD + p * M * CH + offs_m[:, None] * CH + offs_i[None, :], acc_wd, mask=m_ok[:, None] & i_ok[None, :])
@@ -184,11 +188,19 @@ def _configs(kind: str, dtype: torch.dtype, block_m: int, block_d: int) -> list[
     All configs of one kind share BLOCK_T: dweight's partial buffers are sized by it before the launch."""
     if _interpreting():
         return [(4, 16, 1, 1)]  # several programs and I chunks even at test shapes
-    wide = block_m * block_d >= 4096 or dtype == torch.float32  # (32, 128) tiles: spread over 8 warps
-    warps = 8 if wide else 4
+    fp32 = dtype == torch.float32  # twice the registers per element: 8 warps, and smaller chunks when wide
+    wide = block_m * block_d >= 4096  # (32, 128) tiles: spread over 8 warps
+    warps = 8 if wide or fp32 else 4
     if kind == "dweight":  # two fp32 weight accumulators live across the token loop: 16-channel chunks
-        return [(128, 16, warps, 2), (128, 16, warps, 1), (128, 16, 8, 1)]  # (128, 32, 8, 2) spills at M = 32
+        return [(128, 16, warps, 1 if fp32 else 2), (128, 16, 8, 1)]  # (128, 32, 8, 2) spills at M = 32
+    if fp32 and wide:
+        return [(16, 16, 8, 1)]
     return [(16, 32, warps, 2), (16, 16, warps, 1), (16, 16, 8, 1)]
+
+
+def _weight_block_d(dtype: torch.dtype, d: int) -> int:
+    """D chunk of the weight-gradient kernel: all of D in 16-bit; fp32 tiles of 128 columns spill, so 64."""
+    return min(_pad(d), 64) if dtype == torch.float32 and not _interpreting() else _pad(d)
 
 
 class _Capture:
@@ -285,7 +297,7 @@ def _backward(state, gate_logits, up_weight, down_weight, dout, needs: tuple[boo
             state.dtype, c["BLOCK_M"], c["BLOCK_D"],
             state, gate_logits, up_weight, down_weight, dout, part_up, part_down,
             *state.stride(), *gate_logits.stride(), *up_weight.stride(), *down_weight.stride(), *dout.stride(),
-            t, m, i, d, n_tiles, **c,
+            t, m, i, d, n_tiles, **dict(c, BLOCK_D=_weight_block_d(state.dtype, d)),
         )  # fmt: skip
         d_up = part_up.sum(0).to(up_weight.dtype)
         d_down = part_down.sum(0).to(down_weight.dtype)

@@ -89,6 +89,15 @@ def test_strided_state_and_weights():
     assert _rel(tape_mlp_update(state, gl, w_up, mod.down_proj.weight.detach()), ref) < 1e-6
 
 
+def test_weight_kernel_in_d_chunks(monkeypatch):
+    """fp32 on a GPU walks D in 64-column chunks in the weight-gradient kernel; here 16 of D = 20 (two chunks, the
+    second partial)."""
+    from tapetrain.kernels import tape_mlp_update as mod
+
+    monkeypatch.setattr(mod, "_weight_block_d", lambda dtype, d: 16)
+    _compare(1, 5, 3, 12, 20)
+
+
 def test_gradient_subsets():
     """Only the state (frozen TAPE weights), or only the weights, want a gradient: the other kernel is skipped."""
     b, t, m, i, d = 1, 5, 2, 8, 8
