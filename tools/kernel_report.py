@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Registers, spills and shared memory of every fused-attention kernel, for A100 and H100, without a GPU.
+"""Registers, spills and shared memory of every fused kernel, for A100 and H100, without a GPU.
 
   python tools/kernel_report.py --out R.json [--all-configs] [--archs 80,90] [--head-dims 64,128]
   python tools/kernel_report.py --check docs/benchmarks/kernel-report.json   # stale? (no ptxas, seconds)
@@ -11,11 +11,18 @@ By default only the config the runtime chooses first is compiled; --all-configs 
 Writes JSON records (kernel, arch, head_dim, dtype, case, config, registers, spill_store_bytes,
 spill_load_bytes, shared_bytes, shared_limit) and prints a table. Exit status 1 if any chosen config spills or
 exceeds the arch's shared memory.
+
+The TAPE state-update kernels come from the modules in KERNEL_MODULES (those that exist): each has
+`report_launches(arch, dtype) -> list[dict]` giving its launches at model shapes with the config its runtime
+chooses (record format: tapetrain.kernels.tape_mlp_update.report_launches). Their records carry `shape` (e.g.
+"llama2-7b M=32 I=128 D=128") instead of head_dim and case, and the kernel as "module._kernel_name"; --head-dims
+does not apply to them, --dtypes does.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -30,6 +37,13 @@ from tapetrain.kernels import ptx_report  # noqa: E402
 from tapetrain.kernels import tape_attention as km  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Modules with report_launches(arch, dtype); the optional ones are reported when present.
+KERNEL_MODULES = (
+    "tapetrain.kernels.tape_mlp_update",
+    "tapetrain.kernels.tape_rotation",
+    "tapetrain.kernels.tape_head_mix",
+)
+REQUIRED_MODULES = ("tapetrain.kernels.tape_mlp_update",)
 KERNEL_NAMES = {"fwd": "_fwd_kernel", "dq": "_bwd_dq_kernel", "dkdv": "_bwd_dkdv_kernel", "de": "_bwd_dkdv_kernel:de"}
 
 
@@ -67,6 +81,42 @@ def jobs_of(archs: list[int], head_dims: list[int], dtypes: list[str], all_confi
     return jobs
 
 
+def kernel_modules() -> list:
+    """The KERNEL_MODULES that exist (an optional one that is absent is skipped; any other import error is raised)."""
+    found = []
+    for name in KERNEL_MODULES:
+        try:
+            found.append(importlib.import_module(name))
+        except ModuleNotFoundError as err:
+            if err.name != name or name in REQUIRED_MODULES:
+                raise
+    return found
+
+
+def module_jobs(archs: list[int], dtypes: list[str]) -> list[tuple[int, str, str, dict]]:
+    """(arch, dtype, module short name, launch record) for every launch of every kernel module."""
+    return [
+        (arch, dt, mod.__name__.rsplit(".", 1)[-1], launch)
+        for mod in kernel_modules()
+        for arch in archs
+        for dt in dtypes
+        for launch in mod.report_launches(arch, DTYPES[dt])
+    ]
+
+
+def module_identity(arch: int, dt: str, module: str, launch: dict) -> dict:
+    """A kernel module record without compiler output: its BLOCK_* constants, warps and stages are the config."""
+    blocks = {k: v for k, v in launch["consts"].items() if k.startswith("BLOCK")}
+    return {
+        "kernel": f"{module}.{launch['name']}",
+        "arch": f"sm_{arch}" + ("a" if arch == 90 else ""),
+        "shape": launch["shape"],
+        "dtype": dt,
+        "config": {**blocks, "num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
+        "chosen": True,
+    }
+
+
 def identity(arch: int, d: int, dt: str, tape: bool, launch: dict, rank: int, cfg: tuple) -> dict:
     """What a record says about which kernel ran where with which launch config (no compiler output)."""
     bm, bn, warps, stages = cfg
@@ -91,23 +141,38 @@ def report(archs: list[int], head_dims: list[int], dtypes: list[str], all_config
         ptx, shared = ptx_report.compile_ptx(launch["kernel"], launch["args"], consts, arch, warps, stages)
         res = ptx_report.ptxas_resources(ptx, arch, shared)
         records.append({**identity(*job), **res.to_dict(), "shared_limit": ptx_report.SHARED_LIMIT[arch]})
+    for job in tqdm(module_jobs(archs, dtypes), desc="state-update kernels", leave=False):
+        arch, launch = job[0], job[3]
+        ptx, shared = ptx_report.compile_ptx(launch["kernel"], launch["args"], launch["consts"], arch,
+                                             launch["num_warps"], launch["num_stages"])  # fmt: skip
+        res = ptx_report.ptxas_resources(ptx, arch, shared)
+        records.append({**module_identity(*job), **res.to_dict(), "shared_limit": ptx_report.SHARED_LIMIT[arch]})
     return records
 
 
 def stale_records(path: Path) -> list[str]:
     """Differences between a report's chosen configs and the ones the runtime table chooses today, for the archs,
     head dims and dtypes the report covers (launch code on meta tensors only: no compiler, no ptxas, seconds)."""
+    chosen = [r for r in json.loads(path.read_text())["records"] if r["chosen"]]
     recorded = [
         {key: r[key] for key in ("kernel", "arch", "head_dim", "dtype", "case", "config", "chosen")}
-        for r in json.loads(path.read_text())["records"]
-        if r["chosen"]
+        for r in chosen
+        if "head_dim" in r
     ]
-    archs = sorted({int(r["arch"][3:5]) for r in recorded})
-    head_dims = sorted({r["head_dim"] for r in recorded})
-    dtypes = sorted({r["dtype"] for r in recorded})
+    recorded += [
+        {key: r[key] for key in ("kernel", "arch", "shape", "dtype", "config", "chosen")}
+        for r in chosen
+        if "shape" in r
+    ]
+    archs = sorted({int(r["arch"][3:5]) for r in chosen})
+    head_dims = sorted({r["head_dim"] for r in recorded if "head_dim" in r})
+    dtypes = sorted({r["dtype"] for r in chosen})
     current = [identity(*job) for job in jobs_of(archs, head_dims, dtypes, all_configs=False)]
+    current += [module_identity(*job) for job in module_jobs(archs, dtypes)]
 
     def key(r: dict) -> tuple:
+        if "shape" in r:
+            return r["kernel"], r["arch"], r["shape"], r["dtype"]
         return r["kernel"], r["arch"], r["head_dim"], r["dtype"], r["case"]
 
     now = {key(r): r["config"] for r in current}
@@ -132,6 +197,8 @@ def table(records: list[dict]) -> str:
            f"{'regs':>4s} {'spill st/ld':>12s} {'smem KB':>8s}"  # fmt: skip
     lines = [head, "-" * len(head)]
     for r in records:
+        if "shape" in r:
+            continue
         c = r["config"]
         cfg = f"({c['BLOCK_M']},{c['BLOCK_N']},{c['num_warps']},{c['num_stages']})" + ("" if r["chosen"] else " fb")
         lines.append(
@@ -139,6 +206,18 @@ def table(records: list[dict]) -> str:
             f"{r['registers']:4d} {r['spill_store_bytes']:>5d}/{r['spill_load_bytes']:<6d} "
             f"{r['shared_bytes'] / 1024:8.1f}"
         )
+    modules = [r for r in records if "shape" in r]
+    if modules:
+        head = f"{'kernel':34s} {'arch':7s} {'shape':30s} {'dtype':5s} {'config (BT,BI,w,s)':19s} " \
+               f"{'regs':>4s} {'spill st/ld':>12s} {'smem KB':>8s}"  # fmt: skip
+        lines += ["", head, "-" * len(head)]
+        for r in modules:
+            c = r["config"]
+            cfg = f"({c.get('BLOCK_T', '-')},{c.get('BLOCK_I', '-')},{c['num_warps']},{c['num_stages']})"
+            lines.append(
+                f"{r['kernel']:34s} {r['arch']:7s} {r['shape']:30s} {r['dtype']:5s} {cfg:19s} {r['registers']:4d} "
+                f"{r['spill_store_bytes']:>5d}/{r['spill_load_bytes']:<6d} {r['shared_bytes'] / 1024:8.1f}"
+            )
     return "\n".join(lines)
 
 

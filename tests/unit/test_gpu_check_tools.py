@@ -130,7 +130,8 @@ def test_gpu_wheels_install_without_an_index(tmp_path):
 
 def test_kernel_register_budget(tmp_path):
     """Every kernel config the runtime picks first for sm_80 and sm_90a at head dim 64 and 128 (bf16; fp16 compiles
-    to the same code), TAPE and values-only: zero register spills, shared memory within the arch's limit."""
+    to the same code), TAPE and values-only, and of the TAPE state-update kernels at the llama-1b and llama2-7b
+    shapes: zero register spills, shared memory within the arch's limit."""
     pytest.importorskip("triton")
     from tapetrain.kernels.ptx_report import find_ptxas
 
@@ -142,10 +143,15 @@ def test_kernel_register_budget(tmp_path):
                           env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})  # fmt: skip
     report = json.loads(out.read_text())
     records = report["records"]
-    assert {(r["arch"], r["head_dim"], r["case"]) for r in records} == {
+    attention = [r for r in records if "head_dim" in r]
+    assert {(r["arch"], r["head_dim"], r["case"]) for r in attention} == {
         (a, d, c) for a in ("sm_80", "sm_90a") for d in (64, 128) for c in ("tape", "plain")
     }
-    assert {r["kernel"] for r in records} >= {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    assert {r["kernel"] for r in attention} >= {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    # the TAPE state-update kernels (tools/kernel_report.py KERNEL_MODULES) at the llama-1b and llama2-7b shapes
+    mlp = {(r["kernel"], r["arch"], r["shape"].split()[0]) for r in records if r["kernel"].startswith("tape_mlp")}
+    assert mlp == {(f"tape_mlp_update.{k}", a, s) for k in ("_fwd_kernel", "_bwd_state_kernel", "_bwd_weight_kernel")
+                   for a in ("sm_80", "sm_90a") for s in ("llama-1b", "llama2-7b")}  # fmt: skip
     for r in records:
         assert r["registers"] > 0
         assert r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0, r
@@ -171,6 +177,8 @@ def test_kernel_report_check_names_a_config_that_changed(tmp_path):
     report = json.loads((REPO / "docs" / "benchmarks" / "kernel-report.json").read_text())
     changed = next(r for r in report["records"] if r["chosen"] and r["kernel"] == "_bwd_dq_kernel")
     changed["config"]["num_warps"] = 2 if changed["config"]["num_warps"] != 2 else 4
+    mlp = next(r for r in report["records"] if r["kernel"] == "tape_mlp_update._bwd_weight_kernel")
+    mlp["config"]["BLOCK_I"] *= 2
     report["records"] = [r for r in report["records"] if r["kernel"] != "_fwd_kernel" or r["arch"] != "sm_80"]
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
@@ -179,4 +187,5 @@ def test_kernel_report_check_names_a_config_that_changed(tmp_path):
     assert f"_bwd_dq_kernel {changed['arch']} {changed['head_dim']} {changed['dtype']} {changed['case']}: report" \
         in proc.stdout  # fmt: skip
     assert "_fwd_kernel sm_80 64 bf16 tape: launched, missing from the report" in proc.stdout
+    assert f"tape_mlp_update._bwd_weight_kernel {mlp['arch']} {mlp['shape']} {mlp['dtype']}: report" in proc.stdout
     assert "is stale" in proc.stdout and "--out" in proc.stdout
