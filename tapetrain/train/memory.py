@@ -92,14 +92,23 @@ def recompute_backward_bytes(cfg: ModelConfig, batch: int, seq: int, bytes_per_v
     return batch * seq * (2 * cfg.ffn_dim + 2 * cfg.d_model) * bytes_per_value
 
 
-def mlp_intermediate_values(cfg: ModelConfig, updates_state: bool = True) -> int:
+def fused_updates_modelled(cfg: ModelConfig) -> bool:
+    """Whether the estimate counts TAPE's fused E updates (model/tape_fused.py): only model.tape_fused_updates=true.
+    `auto` resolves per GPU against the verified-paths record, so the estimate keeps eager's larger figure for it."""
+    return cfg.pe == "tape" and cfg.tape_fused_updates is True
+
+
+def mlp_intermediate_values(cfg: ModelConfig, updates_state: bool = True, fused_updates: bool | None = None) -> int:
     """Values per token that a layer's MLP work saves beyond its inputs: what `model.tiled_mlp` no longer keeps
     (it keeps the MLP's normalised input and E, and recomputes the rest chunk by chunk in backward)."""
     values = 4 * cfg.ffn_dim  # gate (for SiLU), SiLU(gate) and up (for their product), the product (for down_proj)
     if cfg.pe == "tape" and updates_state and cfg.tape_mlp_update:
         i = cfg.tape_dim
-        # TAPE's MLP update: m (for W_x), W_x·m (for SiLU), the gate, W_up·E and the gated product (for W_down)
-        values += cfg.d_model + 2 * i + 2 * i * cfg.head_dim
+        fused = fused_updates_modelled(cfg) if fused_updates is None else fused_updates
+        if fused and cfg.tape_equivariant:  # the kernel keeps W_x·m and recomputes W_up·E (and the gate) backward
+            values += cfg.d_model + i  # m (for W_x), W_x·m
+        else:  # m (for W_x), W_x·m (for SiLU), the gate, W_up·E and the gated product (for W_down)
+            values += cfg.d_model + 2 * i + 2 * i * cfg.head_dim
     return values
 
 
@@ -132,14 +141,16 @@ def _norm_bytes(c: int, p: int) -> int:
 
 
 def _attention_bytes(cfg: ModelConfig, p: int, path: str, carries_e: bool, first_layer: bool, keys: int,
-                     sequence_parallel: int) -> int:
+                     sequence_parallel: int, fused: bool = False) -> int:
     """Bytes per local token attention keeps for backward (see `layer_activation_bytes`)."""
     h, hk, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     tape, rotary = cfg.pe == "tape", cfg.pe in ("rope", "randpe", "xpos")
     # TAPE rotates by E, which needs a gradient after the first updating layer: the rotations keep E (B, T, H, D)
-    # and q, k before rotation (k expanded to H heads); layer 0's E^(0) is one (B, T, D) table, broadcast over heads
+    # and q, k before rotation (eager: k expanded to H heads; the fused kernel: k as projected, Hkv heads); layer
+    # 0's E^(0) is one (B, T, D) table, broadcast over heads
     e_grad = tape and not first_layer and (cfg.tape_attn_update or cfg.tape_mlp_update)
-    values = 3 * h * d if e_grad else d if tape or rotary else 0  # (rope: its cos, sin (B, 1, T, D/2))
+    rotation = 2 * h * d + (hk * d if fused else h * d)
+    values = rotation if e_grad else d if tape or rotary else 0  # (rope: its cos, sin (B, 1, T, D/2))
     width = 2 * d if carries_e else d  # value width per head: [V ‖ E] or V
     lse = 4 * h  # a fused kernel's logsumexp (B, H, T) fp32
     if path in ("triton", "flash") and not (carries_e and sequence_parallel > 1):
@@ -166,15 +177,15 @@ def _attention_bytes(cfg: ModelConfig, p: int, path: str, carries_e: bool, first
         # token-major whatever q̃'s layout, so rope layers there keep one copy fewer than counted.
         values += h * d if (carries_e and path == "sdpa") or rotary else 0
         attended = 0
-    if carries_e:
-        values += h * d if cfg.tape_head_mix == "full" else attended  # W_A's matmul copies A·E (B·T·D, M)
+    if carries_e:  # eager W_A's matmul copies A·E (B·T·D, M); 'gain' and the fused head mix keep A·E itself
+        values += h * d if cfg.tape_head_mix == "full" and not fused else attended
     return values * p + fp32
 
 
 def layer_activation_bytes(
     cfg: ModelConfig, batch: int, seq: int, bytes_per_value: int = 2, updates_state: bool = True,
     tiled_mlp: int = 1, sequence_parallel: int = 1, attention_matrix: bool = False, attention: str = "sdpa",
-    first_layer: bool = False,
+    first_layer: bool = False, fused_updates: bool | None = None,
 ) -> int:
     """Bytes one decoder layer saves for backward (values × bytes, plus the fp32 pieces), on one rank.
 
@@ -188,6 +199,8 @@ def layer_activation_bytes(
     SDPA's math path (the softmax weights, B·(H/N)·T² per rank, instead of the output); "sdpa_split" CPU SDPA's two
     fused calls (V, E). `attention_matrix=True` is attention="math" (kept for callers).
     `first_layer`: TAPE's layer 0, whose E^(0) needs no gradient (its rotations keep neither q, k nor E).
+    `fused_updates`: TAPE's E updates run as the fused kernels (None: `fused_updates_modelled(cfg)`); they keep k
+    with its own heads, no copy of A·E, and neither W_up·E nor the gated product.
     Exact against saved-tensor hooks on CPU (tests/unit/test_memory_model.py: SDPA, math, and the Triton kernel in
     Triton's interpreter, fp32 and bf16) and on GPUs, bf16 (docs/benchmarks/gpu: an H100 at 8192 tokens, Triton;
     an H200 at 32768, cuDNN SDPA). Not measured: "flash", and "triton" with a sequence shard."""
@@ -196,12 +209,13 @@ def layer_activation_bytes(
         raise ValueError(f"attention={path!r}: choose one of {', '.join(ATTENTION_PATHS)}")
     p, tokens = bytes_per_value, batch * (seq // sequence_parallel)
     carries_e = cfg.pe == "tape" and updates_state and cfg.tape_attn_update
+    fused = fused_updates_modelled(cfg) if fused_updates is None else fused_updates and cfg.pe == "tape"
     per_token = _norm_bytes(cfg.d_model, p) + _attention_bytes(cfg, p, path, carries_e, first_layer, seq,
-                                                               sequence_parallel)
+                                                               sequence_parallel, fused)
     if cfg.pe == "tape" and updates_state and cfg.tape_mlp_update:
         per_token += cfg.n_heads * cfg.head_dim * p  # E' for W_up (the tile's input when tiled)
     if tiled_mlp <= 1:
-        per_token += mlp_intermediate_values(cfg, updates_state) * p
+        per_token += mlp_intermediate_values(cfg, updates_state, fused) * p
     return tokens * per_token
 
 

@@ -59,6 +59,36 @@ def test_triton_layer_saved_bytes_within_4_percent(monkeypatch, layer, tiled, dt
     assert abs(predicted / measured - 1) < 0.04, (predicted, measured)
 
 
+@pytest.mark.parametrize("head_mix", ["full", "gain"])
+@pytest.mark.parametrize("tiled", [0, 4])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_fused_updates_layer_saved_bytes_exact(monkeypatch, layer, tiled, head_mix):
+    """model.tape_fused_updates=true (the kernels in Triton's CPU interpreter without CUDA), GQA (2 kv heads of 4),
+    attention through the Triton kernel: the rotation keeps k with its 2 heads (eager: expanded to 4), the head mix
+    keeps A·E itself (eager 'full': a copy for its matmul) and the MLP update neither W_up·E nor the gated product.
+    The estimate is exact to the byte, and below eager's by what those three save."""
+    if DEV.type == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+    from tapetrain.model import tape_fused
+
+    tape_fused.clear_decisions()
+    cfg = preset_config("tiny", pe="tape", n_layers=3, attn_backend="triton", tiled_mlp=tiled,
+                        tape_head_mix=head_mix, tape_fused_updates=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(DEV)
+    b, s = 2, 40
+    ids = torch.randint(0, cfg.vocab_size, (b, s), device=DEV)
+    measured = measure_layer_saved_bytes(model, ids, layer)
+    kwargs = dict(tiled_mlp=tiled, attention="triton", first_layer=layer == 0)
+    predicted = layer_activation_bytes(cfg, b, s, 4, cfg.updates_tape_state(layer), **kwargs)
+    assert predicted == measured, (predicted, measured)
+    eager = layer_activation_bytes(cfg, b, s, 4, cfg.updates_tape_state(layer), fused_updates=False, **kwargs)
+    h, hk, d, i = cfg.n_heads, cfg.kv_heads, cfg.head_dim, cfg.tape_dim
+    saved = (h - hk) * d * (layer > 0) + h * d * (head_mix == "full") + (i + 2 * i * d) * (tiled <= 1)
+    assert eager - predicted == b * s * saved * 4
+
+
 def test_zero_stages_shard_what_they_should():
     cfg = preset_config("llama2-7b", pe="rope", max_seq_len=8192)
     common = dict(seq_len=8192, micro_batch=1, world_size=8, trainable_params=6_738_415_616,
