@@ -8,12 +8,13 @@ As in TapeHeadMix, the weight is cast to attended's dtype before use; products a
 the result is rounded once. In the model `attended` is the token-major view of the attention kernel's heads-first
 (B, M, T, D) output: any strides are read as they are.
 
-One program per (chunk of TOKENS tokens, b): it loads W once and walks its tokens. Backward, same grid:
+One program per (chunk of TOKENS tokens, block of D columns, b): it loads W once and walks its tokens (see
+TILE for why D is split). Backward, same grid:
     d_state = dout (returned as is, no kernel)
     d_attended[t] = Wᵀ @ dout[t]  (full)   or  w[:, None] * dout[t]  (gain)
     d_W = Σ_t dout[t] @ attended[t]ᵀ  (full)   or  Σ_{t,d} dout ⊙ attended  (gain)
-d_W is accumulated per program in fp32 and each program writes its own partial, (programs, M, M) or (programs, M),
-summed in torch: deterministic, no atomics. tl.dot tiles are padded to ≥ 16 (M and D) and masked.
+d_W is accumulated per program in fp32 and each program writes its own partial, (programs, M, M) or (programs, M)
+(padding included), summed in torch: deterministic, no atomics. tl.dot tiles are padded to ≥ 16 (M and D) and masked.
 Saved for backward: attended and the weight, i.e. M·D elements per token (the same as eager's matmul/mul).
 """
 
@@ -41,10 +42,10 @@ def _mix_fwd_kernel(
     FULL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     md_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
     if FULL:
         w = tl.load(
@@ -55,22 +56,24 @@ def _mix_fwd_kernel(
         w = w.to(A.dtype.element_ty)
     else:
         w = tl.load(W + offs_m * swm, mask=offs_m < M, other=0.0).to(A.dtype.element_ty).to(tl.float32)  # (BM,)
-    # pointers of the chunk's first token, advanced one token per iteration (no per-token int64 index)
+    # scalar pointers to the chunk's first token, advanced a token per iteration; the (BM, BD) offset tiles are
+    # formed in the loop (pointer tiles carried across iterations would hold 2 registers per element)
     start = pid.to(tl.int64) * TOKENS
-    a_ptr = A + b * sab + start * sat + offs_m[:, None] * sam + offs_d[None, :] * sad  # (BM, BD)
-    s_ptr = S + b * ssb + start * sst + offs_m[:, None] * ssm + offs_d[None, :] * ssd
-    o_ptr = OUT + b * sob + start * sot + offs_m[:, None] * som + offs_d[None, :] * sod
+    a_row = A + b * sab + start * sat
+    s_row = S + b * ssb + start * sst
+    o_row = OUT + b * sob + start * sot
     for _ in range(0, tl.minimum(TOKENS, T - start)):
-        a = tl.load(a_ptr, mask=md_ok, other=0.0)  # (BM, BD)
+        a = tl.load(a_row + offs_m[:, None] * sam + offs_d[None, :] * sad, mask=md_ok, other=0.0)  # (BM, BD)
         if FULL:
             mixed = tl.dot(w, a, input_precision=PRECISION)  # (BM, BD) fp32
         else:
             mixed = a.to(tl.float32) * w[:, None]
-        out = tl.load(s_ptr, mask=md_ok, other=0.0).to(tl.float32) + mixed
-        tl.store(o_ptr, out.to(OUT.dtype.element_ty), mask=md_ok)
-        a_ptr += sat
-        s_ptr += sst
-        o_ptr += sot
+        s = tl.load(s_row + offs_m[:, None] * ssm + offs_d[None, :] * ssd, mask=md_ok, other=0.0)
+        out = s.to(tl.float32) + mixed
+        tl.store(o_row + offs_m[:, None] * som + offs_d[None, :] * sod, out.to(OUT.dtype.element_ty), mask=md_ok)
+        a_row += sat
+        s_row += sst
+        o_row += sot
 
 
 @triton.jit
@@ -86,10 +89,10 @@ def _mix_bwd_kernel(
     # G = dout; DA = d_attended, contiguous (B, T, M, D); DW: this program's fp32 partial of d_W at
     # DW + program · BLOCK_M² ((BM, BM) full) or DW + program · BLOCK_M ((BM,) gain), padding included.
     pid = tl.program_id(0)
-    b = tl.program_id(1).to(tl.int64)
+    b = tl.program_id(2).to(tl.int64)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
+    offs_d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     md_ok = (offs_m < M)[:, None] & (offs_d < D)[None, :]
     if FULL:
         wt = tl.load(
@@ -103,25 +106,27 @@ def _mix_bwd_kernel(
         w = tl.load(W + offs_m * swm, mask=offs_m < M, other=0.0).to(A.dtype.element_ty).to(tl.float32)
         dw = tl.zeros([BLOCK_M], tl.float32)
     start = pid.to(tl.int64) * TOKENS
-    a_ptr = A + b * sab + start * sat + offs_m[:, None] * sam + offs_d[None, :] * sad  # (BM, BD)
-    g_ptr = G + b * sgb + start * sgt + offs_m[:, None] * sgm + offs_d[None, :] * sgd
-    da_ptr = DA + b * sdb + start * sdt + offs_m[:, None] * sdm + offs_d[None, :] * sdd
+    a_row = A + b * sab + start * sat  # scalar pointers, as in the forward
+    g_row = G + b * sgb + start * sgt
+    da_row = DA + b * sdb + start * sdt
     for _ in range(0, tl.minimum(TOKENS, T - start)):
-        a = tl.load(a_ptr, mask=md_ok, other=0.0)  # (BM, BD)
-        g = tl.load(g_ptr, mask=md_ok, other=0.0)  # (BM, BD)
+        g = tl.load(g_row + offs_m[:, None] * sgm + offs_d[None, :] * sgd, mask=md_ok, other=0.0)  # (BM, BD)
         if FULL:
+            # aᵀ (BD, BM) straight from memory: the backward needs a only transposed, as a dot operand
+            at = tl.load(a_row + offs_d[:, None] * sad + offs_m[None, :] * sam, mask=tl.trans(md_ok), other=0.0)
             g = g.to(A.dtype.element_ty)  # tl.dot takes one dtype
             da = tl.dot(wt, g, input_precision=PRECISION)  # (BM, BD)
-            dw += tl.dot(g, tl.trans(a), input_precision=PRECISION)  # (BM, BM): Σ_d dout[m, d] · a[n, d]
+            dw += tl.dot(g, at, input_precision=PRECISION)  # (BM, BM): Σ_d dout[m, d] · a[n, d]
         else:
+            a = tl.load(a_row + offs_m[:, None] * sam + offs_d[None, :] * sad, mask=md_ok, other=0.0)
             g = g.to(tl.float32)
             da = g * w[:, None]
             dw += tl.sum(g * a.to(tl.float32), 1)
-        tl.store(da_ptr, da.to(DA.dtype.element_ty), mask=md_ok)
-        a_ptr += sat
-        g_ptr += sgt
-        da_ptr += sdt
-    program = (b * tl.num_programs(0) + pid).to(tl.int64)
+        tl.store(da_row + offs_m[:, None] * sdm + offs_d[None, :] * sdd, da.to(DA.dtype.element_ty), mask=md_ok)
+        a_row += sat
+        g_row += sgt
+        da_row += sdt
+    program = (b * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + pid
     if FULL:
         tl.store(DW + program * BLOCK_M * BLOCK_M + offs_m[:, None] * BLOCK_M + offs_n[None, :], dw)
     else:
@@ -131,14 +136,16 @@ def _mix_bwd_kernel(
 # --------------------------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------------------------
-# TOKENS per program trades parallelism against W loads and d_W partials (programs · M² fp32); the (M, D) tiles
-# per token are small: 4 warps, 8 from (32, 128) tiles on, where the backward's two (M, D) and one (M, M) fp32
-# operands would take ~180 registers a thread at 4 warps (ptxas at M = 16 and 32, D = 128: report_launches).
+# TOKENS per program trades parallelism against W loads and d_W partials (programs · M² fp32). D is split into
+# blocks of at most TILE // BLOCK_M columns (a grid axis; d_W partials per block too): with whole (32, 128) tiles the
+# bf16 backward took 176-188 registers a thread (4 or 8 warps), with (32, 64) ones 107-128, no spills (ptxas,
+# report_launches).
 TOKENS = 16
+TILE = 2048  # elements of one (BLOCK_M, BLOCK_D) tile
 
 
-def _warps(block_m: int, block_d: int) -> int:
-    return 4 if block_m * block_d < 32 * 128 else 8
+def _block_d(block_m: int, d: int) -> int:
+    return max(16, min(_pad(d), TILE // block_m))
 
 
 # Launch capture for report_launches: records instead of launching (meta tensors).
@@ -154,7 +161,7 @@ def _pad(n: int) -> int:
 
 
 def _launch(kernel, name: str, grid: tuple, args: tuple, consts: dict) -> None:
-    warps, stages = (1, 1) if _interpreting() else (_warps(consts["BLOCK_M"], consts["BLOCK_D"]), 1)
+    warps, stages = (1, 1) if _interpreting() else (4, 1)
     if _capture is not None:
         _capture.append(dict(name=name, kernel=kernel, args=args, consts=consts, num_warps=warps, num_stages=stages))
         return
@@ -186,8 +193,9 @@ def _check(state: torch.Tensor, attended: torch.Tensor, weight: torch.Tensor) ->
         _check_interpreter_ready()
 
 
-def _grid(attended: torch.Tensor) -> tuple[int, int]:
-    return triton.cdiv(attended.shape[1], _tokens()), attended.shape[0]
+def _grid(attended: torch.Tensor) -> tuple[int, int, int]:
+    _, t, m, d = attended.shape
+    return triton.cdiv(t, _tokens()), triton.cdiv(d, _block_d(_pad(m), d)), attended.shape[0]
 
 
 def _forward(state: torch.Tensor, attended: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -196,7 +204,9 @@ def _forward(state: torch.Tensor, attended: torch.Tensor, weight: torch.Tensor) 
     w_strides = weight.stride() if weight.dim() == 2 else (weight.stride(0), 0)
     args = (state, attended, weight, out, *state.stride(), *attended.stride(), *w_strides, *out.stride(),
             t, m, d, _tokens())  # fmt: skip
-    consts = dict(FULL=weight.dim() == 2, PRECISION=_precision(attended.dtype), BLOCK_M=_pad(m), BLOCK_D=_pad(d))
+    consts = dict(
+        FULL=weight.dim() == 2, PRECISION=_precision(attended.dtype), BLOCK_M=_pad(m), BLOCK_D=_block_d(_pad(m), d)
+    )
     _launch(_mix_fwd_kernel, "tape_head_mix_fwd", _grid(attended), args, consts)
     return out
 
@@ -208,12 +218,13 @@ def _backward(attended: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) 
     block_m = _pad(m)
     grid = _grid(attended)
     d_att = torch.empty(b, t, m, d, device=attended.device, dtype=attended.dtype)
-    partial_shape = (grid[0] * grid[1], block_m, block_m) if full else (grid[0] * grid[1], block_m)
+    programs = grid[0] * grid[1] * grid[2]
+    partial_shape = (programs, block_m, block_m) if full else (programs, block_m)
     partials = torch.empty(partial_shape, device=attended.device, dtype=torch.float32)
     w_strides = weight.stride() if full else (weight.stride(0), 0)
     args = (attended, weight, grad, d_att, partials, *attended.stride(), *w_strides, *grad.stride(), *d_att.stride(),
             t, m, d, _tokens())  # fmt: skip
-    consts = dict(FULL=full, PRECISION=_precision(attended.dtype), BLOCK_M=block_m, BLOCK_D=_pad(d))
+    consts = dict(FULL=full, PRECISION=_precision(attended.dtype), BLOCK_M=block_m, BLOCK_D=_block_d(block_m, d))
     _launch(_mix_bwd_kernel, "tape_head_mix_bwd", grid, args, consts)
     d_w = partials.sum(0)[:m, :m] if full else partials.sum(0)[:m]
     return d_att, d_w.to(weight.dtype)
