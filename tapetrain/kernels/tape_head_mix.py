@@ -227,7 +227,7 @@ def _backward(attended: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) 
     consts = dict(FULL=full, PRECISION=_precision(attended.dtype), BLOCK_M=block_m, BLOCK_D=_block_d(block_m, d))
     _launch(_mix_bwd_kernel, "tape_head_mix_bwd", grid, args, consts)
     d_w = partials.sum(0)[:m, :m] if full else partials.sum(0)[:m]
-    return d_att, d_w.to(weight.dtype)
+    return d_att, d_w.to(weight.dtype).contiguous()  # contiguous, as the fake says
 
 
 # ---- torch custom ops: opaque to torch.compile (no graph break), autograd through register_autograd -------------
@@ -250,7 +250,8 @@ def _bwd_op(attended: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) ->
 
 @_bwd_op.register_fake
 def _bwd_fake(attended, weight, grad):
-    return torch.empty(attended.shape, dtype=attended.dtype, device=attended.device), torch.empty_like(weight)
+    d_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
+    return torch.empty(attended.shape, dtype=attended.dtype, device=attended.device), d_w
 
 
 def _setup_context(ctx, inputs, output) -> None:

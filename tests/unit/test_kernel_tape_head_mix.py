@@ -132,6 +132,15 @@ def test_no_graph_break():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
+@pytest.mark.parametrize("mode", ["full", "gain"])
+def test_opcheck(mode):
+    """torch.library's checks of the op's schema, fake (meta) function and autograd registration."""
+    m = 3
+    state, attended, _ = _inputs(1, 5, m, 16)
+    weight = torch.randn((m, m) if mode == "full" else (m,), device=DEV).requires_grad_()
+    torch.library.opcheck(kernel_mod._fwd_op, (state, attended, weight))
+
+
 def _saved_bytes(fn) -> int:
     """Bytes of the distinct storages autograd saves for the backward while fn runs."""
     storages: dict[int, int] = {}

@@ -124,6 +124,11 @@ def test_no_graph_break():
     assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
+def test_opcheck():
+    """torch.library's checks of the op's schema, fake (meta) function and autograd registration."""
+    torch.library.opcheck(kernel_mod._fwd_op, _leaves(1, 5, 4, 2, 16))
+
+
 def _saved_bytes(fn) -> int:
     """Bytes of the distinct storages autograd saves for the backward while fn runs."""
     storages: dict[int, int] = {}
