@@ -128,18 +128,17 @@ def _rotate_bwd_kernel(
 # --------------------------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------------------------
-# (BLOCK_T, num_warps, num_stages) per kernel for 16-bit inputs; memory-bound elementwise work, so the tile only
-# has to keep enough loads in flight without spilling (ptxas checked at D = 128 on sm_80 and sm_90a through
-# report_launches). fp32 holds twice the bytes per element in registers: half the tokens.
+# (BLOCK_T, num_warps, num_stages) per kernel. Memory-bound elementwise work: the tile only has to keep enough
+# loads in flight without spilling; every dtype is fp32 in registers (ptxas at D = 128 on sm_80 and sm_90a, bf16,
+# fp16 and fp32: 64-96 registers, no spills; report_launches).
 _Config = tuple[int, int, int]
 _CONFIGS: dict[str, _Config] = {"fwd": (32, 4, 1), "bwd": (16, 4, 1)}
 
 
-def _config(kind: str, dtype: torch.dtype) -> _Config:
+def _config(kind: str) -> _Config:
     if _interpreting():
         return (8, 1, 1)  # small tiles: the CPU tests cover several token tiles and a partial one
-    block_t, warps, stages = _CONFIGS[kind]
-    return (block_t // 2 if dtype == torch.float32 else block_t), warps, stages
+    return _CONFIGS[kind]
 
 
 # Launch capture for report_launches: records instead of launching (meta tensors).
@@ -191,7 +190,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor) -> tuple[tor
     b, t, h, d = q.shape
     q_rot = torch.empty(b, t, h, d, device=q.device, dtype=q.dtype)
     k_rot = torch.empty_like(q_rot)
-    cfg = _config("fwd", q.dtype)
+    cfg = _config("fwd")
     args = (q, k, state, q_rot, k_rot, *q.stride(), *k.stride(), *state.stride(), *q_rot.stride(),
             t, d // 2, h // k.shape[2])  # fmt: skip
     _launch(_rotate_fwd_kernel, "tape_rotate_fwd", _grid(q, k, cfg[0]), cfg, args,
@@ -210,7 +209,7 @@ def _backward(q, k, state, gq: torch.Tensor | None, gk: torch.Tensor | None):
     # dummies for absent streams: never dereferenced (constexpr-guarded)
     gq_, gk_ = (gq if gq is not None else q), (gk if gk is not None else q)
     dq_, dk_ = (dq if dq is not None else de), (dk if dk is not None else de)
-    cfg = _config("bwd", q.dtype)
+    cfg = _config("bwd")
     args = (q, k, state, gq_, gk_, dq_, dk_, de,
             *q.stride(), *k.stride(), *state.stride(), *gq_.stride(), *gk_.stride(), *de.stride(), *dk_.stride(),
             t, d // 2, h // k.shape[2])  # fmt: skip
