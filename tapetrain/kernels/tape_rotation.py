@@ -86,11 +86,12 @@ def _rotate_bwd_kernel(
     sob, sot, soh, sod,
     sdkb, sdkt, sdkh, sdkd,
     T, F, GROUP,
-    HAS_GQ: tl.constexpr, HAS_GK: tl.constexpr,
+    DQ_ON: tl.constexpr, DK_ON: tl.constexpr, DE_Q: tl.constexpr, DE_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
 ):  # fmt: skip
     # DQ and DE are contiguous (B, T, H, D) (strides sob..sod), DK contiguous (B, T, Hkv, D).
-    # HAS_GQ / HAS_GK: whether q̃ / k̃ received a gradient (a None one drops that stream's terms).
+    # DQ_ON / DK_ON: write dq / dk; DE_Q / DE_K: E's gradient takes the q / k stream's terms. Each is off when its
+    # input needs no gradient or its stream has no upstream gradient (layer 0's E, a None grad of q̃ or k̃).
     pid_t = tl.program_id(0)
     g = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -98,8 +99,9 @@ def _rotate_bwd_kernel(
     offs_f = tl.arange(0, BLOCK_F)
     mask = (offs_t < T)[:, None] & (offs_f < F)[None, :]
     rows = offs_t[:, None]
-    if HAS_GK:
+    if DE_K:
         k1, k2 = _halves(K, b * skb + g * skh + rows * skt, offs_f, mask, F, skd)
+    if DK_ON:
         dk1 = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)  # the group sum of dk, in registers
         dk2 = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
     for j in range(GROUP):
@@ -108,20 +110,25 @@ def _rotate_bwd_kernel(
         dc = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
         ds = tl.zeros([BLOCK_T, BLOCK_F], tl.float32)
         out_row = b * sob + h * soh + rows * sot
-        if HAS_GK:
+        if DK_ON or DE_K:
             g1, g2 = _halves(GK, b * sgkb + h * sgkh + rows * sgkt, offs_f, mask, F, sgkd)
-            dk1 += g1 * c + g2 * s
-            dk2 += g2 * c - g1 * s
-            dc += g1 * k1 + g2 * k2
-            ds += g2 * k1 - g1 * k2
-        if HAS_GQ:
+            if DK_ON:
+                dk1 += g1 * c + g2 * s
+                dk2 += g2 * c - g1 * s
+            if DE_K:
+                dc += g1 * k1 + g2 * k2
+                ds += g2 * k1 - g1 * k2
+        if DQ_ON or DE_Q:
             g1, g2 = _halves(GQ, b * sgqb + h * sgqh + rows * sgqt, offs_f, mask, F, sgqd)
-            _store_halves(DQ, out_row, offs_f, mask, F, sod, g1 * c + g2 * s, g2 * c - g1 * s)
-            q1, q2 = _halves(Q, b * sqb + h * sqh + rows * sqt, offs_f, mask, F, sqd)
-            dc += g1 * q1 + g2 * q2
-            ds += g2 * q1 - g1 * q2
-        _store_halves(DE, out_row, offs_f, mask, F, sod, dc, ds)
-    if HAS_GK:
+            if DQ_ON:
+                _store_halves(DQ, out_row, offs_f, mask, F, sod, g1 * c + g2 * s, g2 * c - g1 * s)
+            if DE_Q:
+                q1, q2 = _halves(Q, b * sqb + h * sqh + rows * sqt, offs_f, mask, F, sqd)
+                dc += g1 * q1 + g2 * q2
+                ds += g2 * q1 - g1 * q2
+        if DE_Q or DE_K:
+            _store_halves(DE, out_row, offs_f, mask, F, sod, dc, ds)
+    if DK_ON:
         _store_halves(DK, b * sdkb + g * sdkh + rows * sdkt, offs_f, mask, F, sdkd, dk1, dk2)
 
 
@@ -198,22 +205,26 @@ def _forward(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor) -> tuple[tor
     return q_rot, k_rot
 
 
-def _backward(q, k, state, gq: torch.Tensor | None, gk: torch.Tensor | None):
-    """(dq or None, dk or None, d_state or None) from the upstream grads of q̃ and k̃ (None: no gradient)."""
-    if gq is None and gk is None:
+def _backward(q, k, state, gq: torch.Tensor | None, gk: torch.Tensor | None, needs: tuple[bool, bool, bool]):
+    """(dq, dk, d_state), each None where not needed or without terms, from the upstream grads of q̃ and k̃ (None:
+    no gradient); `needs` says which of q, k, state want a gradient."""
+    dq_on, dk_on = needs[0] and gq is not None, needs[1] and gk is not None
+    de_q, de_k = needs[2] and gq is not None, needs[2] and gk is not None
+    if not (dq_on or dk_on or de_q or de_k):
         return None, None, None
     b, t, h, d = q.shape
-    dq = torch.empty(b, t, h, d, device=q.device, dtype=q.dtype) if gq is not None else None
-    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype) if gk is not None else None
-    de = torch.empty(b, t, h, d, device=q.device, dtype=state.dtype)
-    # dummies for absent streams: never dereferenced (constexpr-guarded)
+    dq = torch.empty(b, t, h, d, device=q.device, dtype=q.dtype) if dq_on else None
+    dk = torch.empty(k.shape, device=k.device, dtype=k.dtype) if dk_on else None
+    de = torch.empty(b, t, h, d, device=q.device, dtype=state.dtype) if de_q or de_k else None
+    # dummies for absent tensors: never dereferenced (constexpr-guarded); dq and de: contiguous (B, T, H, D)
     gq_, gk_ = (gq if gq is not None else q), (gk if gk is not None else q)
-    dq_, dk_ = (dq if dq is not None else de), (dk if dk is not None else de)
+    out_ = next(x for x in (dq, de, dk) if x is not None)
+    dq_, dk_, de_ = (x if x is not None else out_ for x in (dq, dk, de))
     cfg = _config("bwd")
-    args = (q, k, state, gq_, gk_, dq_, dk_, de,
-            *q.stride(), *k.stride(), *state.stride(), *gq_.stride(), *gk_.stride(), *de.stride(), *dk_.stride(),
-            t, d // 2, h // k.shape[2])  # fmt: skip
-    consts = dict(HAS_GQ=gq is not None, HAS_GK=gk is not None, BLOCK_F=triton.next_power_of_2(d // 2))
+    args = (q, k, state, gq_, gk_, dq_, dk_, de_,
+            *q.stride(), *k.stride(), *state.stride(), *gq_.stride(), *gk_.stride(), t * h * d, h * d, d, 1,
+            *dk_.stride(), t, d // 2, h // k.shape[2])  # fmt: skip
+    consts = dict(DQ_ON=dq_on, DK_ON=dk_on, DE_Q=de_q, DE_K=de_k, BLOCK_F=triton.next_power_of_2(d // 2))
     _launch(_rotate_bwd_kernel, "tape_rotate_bwd", _grid(q, k, cfg[0]), cfg, args, consts)
     return dq, dk, de
 
@@ -235,21 +246,24 @@ def _fwd_fake(q, k, state):
 
 @torch.library.custom_op("tapetrain::tape_rotate_qk_bwd", mutates_args=())
 def _bwd_op(
-    q: torch.Tensor, k: torch.Tensor, state: torch.Tensor, gq: torch.Tensor | None, gk: torch.Tensor | None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    state: torch.Tensor,
+    gq: torch.Tensor | None,
+    gk: torch.Tensor | None,
+    needs: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = _backward(q, k, state, gq, gk)
+    grads = _backward(q, k, state, gq, gk, tuple(needs))
     return tuple(x if x is not None else q.new_empty(0) for x in grads)  # empty stands for "no gradient"
 
 
 @_bwd_op.register_fake
-def _bwd_fake(q, k, state, gq, gk):
+def _bwd_fake(q, k, state, gq, gk, needs):
     empty = q.new_empty(0)
-    if gq is None and gk is None:
-        return empty, empty, empty
-    return (
-        torch.empty(q.shape, dtype=q.dtype, device=q.device) if gq is not None else empty,
-        torch.empty(k.shape, dtype=k.dtype, device=k.device) if gk is not None else empty,
-        torch.empty(q.shape, dtype=state.dtype, device=q.device),
+    has = (gq is not None, gk is not None, gq is not None or gk is not None)
+    return tuple(
+        torch.empty(x.shape, dtype=x.dtype, device=x.device) if need and ok else empty
+        for x, need, ok in zip((q, k, state), needs, has, strict=True)
     )
 
 
@@ -260,8 +274,9 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _autograd_backward(ctx, gq, gk):
     q, k, state = ctx.saved_tensors
-    grads = _bwd_op(q, k, state, gq, gk)
-    return tuple(g if n and g.numel() else None for g, n in zip(grads, ctx.needs_input_grad, strict=True))
+    needs = [bool(x) for x in ctx.needs_input_grad]
+    grads = _bwd_op(q, k, state, gq, gk, needs)
+    return tuple(g if n and g.numel() else None for g, n in zip(grads, needs, strict=True))
 
 
 torch.library.register_autograd("tapetrain::tape_rotate_qk", _autograd_backward, setup_context=_setup_context)
@@ -282,19 +297,24 @@ REPORT_SHAPES = {"llama-1b": (1, 2048, 16, 16, 128), "llama2-7b": (1, 4096, 32, 
 
 
 def report_launches(arch: int, dtype: torch.dtype) -> list[dict]:
-    """The launches of one forward + backward at REPORT_SHAPES on meta tensors: dicts of name, kernel, args,
-    consts, num_warps, num_stages, shape (for ptx_report.compile_ptx; `arch` does not change the choice)."""
+    """The launches of one forward + backward at REPORT_SHAPES on meta tensors, plus the backward of the first
+    layer, whose E^(0) needs no gradient: dicts of name, kernel, args, consts, num_warps, num_stages, shape (for
+    ptx_report.compile_ptx; `arch` does not change the choice)."""
     global _capture
     records: list[dict] = []
     for label, (b, t, h, hkv, d) in REPORT_SHAPES.items():
         q, state = (torch.empty(b, t, h, d, device="meta", dtype=dtype) for _ in range(2))
         k = torch.empty(b, t, hkv, d, device="meta", dtype=dtype)
+        shape = f"{label}: B={b} T={t} H={h} Hkv={hkv} D={d}"
         _capture = []
         try:
             q_rot, k_rot = _forward(q, k, state)
-            _backward(q, k, state, torch.empty_like(q_rot), torch.empty_like(k_rot))
-            shape = f"{label}: B={b} T={t} H={h} Hkv={hkv} D={d}"
+            gq, gk = torch.empty_like(q_rot), torch.empty_like(k_rot)
+            _backward(q, k, state, gq, gk, (True, True, True))
             records += [dict(rec, shape=shape) for rec in _capture]
+            _capture = []
+            _backward(q, k, state, gq, gk, (True, True, False))
+            records += [dict(rec, shape=shape + ", layer 0 (no d_state)") for rec in _capture]
         finally:
             _capture = None
     return records

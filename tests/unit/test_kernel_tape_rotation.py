@@ -101,6 +101,25 @@ def test_one_output_used(used):
     _compare(*_leaves(b, t, h, hkv, d), gq if used == "q" else None, gk if used == "k" else None)
 
 
+@pytest.mark.parametrize("frozen", ["state", "q", "k", "q+k"])
+def test_inputs_without_grad(frozen):
+    """An input that needs no gradient gets none (layer 0's E^(0) is computed from positions); the others match."""
+    b, t, h, hkv, d = 1, 9, 4, 2, 16
+    q, k, state = _leaves(b, t, h, hkv, d)
+    gq, gk = _upstream(b, t, h, d)
+    frozen_set = set(frozen.split("+"))
+    inputs = [
+        x.detach() if name in frozen_set else x for name, x in zip("q k state".split(), (q, k, state), strict=True)
+    ]
+    wanted = [x for x in inputs if x.requires_grad]
+    q_rot, k_rot = tape_rotate_qk(*inputs)
+    grads = torch.autograd.grad((q_rot * gq).sum() + (k_rot * gk).sum(), wanted)
+    ref_q, ref_k = eager_rotate_qk(*inputs)
+    ref_grads = torch.autograd.grad((ref_q * gq).sum() + (ref_k * gk).sum(), wanted)
+    for g, ref in zip(grads, ref_grads, strict=True):
+        assert _rel_err(g, ref) < 1e-5
+
+
 def test_fp16_interpreter_smoke():
     q, k, state = _leaves(1, 9, 4, 2, 16, dtype=torch.float16)
     gq, gk = _upstream(1, 9, 4, 16)
@@ -170,7 +189,8 @@ def test_report_launches_records():
     """One forward and one backward launch per report shape, in the form ptx_report.compile_ptx takes (the
     ptxas figures themselves need triton's compiler, not the interpreter: tools/kernel_report.py)."""
     records = kernel_mod.report_launches(90, torch.bfloat16)
-    assert [r["name"] for r in records] == ["tape_rotate_fwd", "tape_rotate_bwd"] * len(kernel_mod.REPORT_SHAPES)
+    names = ["tape_rotate_fwd", "tape_rotate_bwd", "tape_rotate_bwd"] * len(kernel_mod.REPORT_SHAPES)
+    assert [r["name"] for r in records] == names
     for r in records:
         assert set(r) == {"name", "kernel", "args", "consts", "num_warps", "num_stages", "shape"}
         assert r["consts"]["BLOCK_F"] == 64 and all(t.device.type == "meta" for t in r["args"][:5])
