@@ -268,13 +268,19 @@ def _bwd_fake(q, k, state, gq, gk, needs):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    ctx.save_for_backward(*inputs)  # q, k, E: the expanded k is never saved
+    q, k, state = inputs
+    ctx.q_shape, ctx.k_shape = q.shape, k.shape
+    if not ctx.needs_input_grad[2]:  # layer 0's E^(0): dq, dk need only E, so q and k are not kept
+        q, k = q.new_empty(0), k.new_empty(0)
+    ctx.save_for_backward(q, k, state)  # the expanded k is never saved
     ctx.set_materialize_grads(False)  # a None upstream grad stays None: that stream's terms are skipped
 
 
 def _autograd_backward(ctx, gq, gk):
     q, k, state = ctx.saved_tensors
     needs = [bool(x) for x in ctx.needs_input_grad]
+    if not needs[2]:  # q, k were not kept: stand-ins of their shapes (stride 0, no memory) that the kernel never reads
+        q, k = q.new_empty(()).expand(ctx.q_shape), k.new_empty(()).expand(ctx.k_shape)
     grads = _bwd_op(q, k, state, gq, gk, needs)
     return tuple(g if n and g.numel() else None for g, n in zip(grads, needs, strict=True))
 
