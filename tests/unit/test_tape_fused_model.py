@@ -19,7 +19,6 @@ from tests.unit.model_helpers import (  # noqa: E402
     assert_reference_grads_nonzero,
     build,
     randomize_tape,
-    trainable_names,
 )
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
