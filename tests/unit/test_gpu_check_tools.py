@@ -189,3 +189,20 @@ def test_kernel_report_check_names_a_config_that_changed(tmp_path):
     assert "_fwd_kernel sm_80 64 bf16 tape: launched, missing from the report" in proc.stdout
     assert f"tape_mlp_update._bwd_weight_kernel {mlp['arch']} {mlp['shape']} {mlp['dtype']}: report" in proc.stdout
     assert "is stale" in proc.stdout and "--out" in proc.stdout
+
+
+def test_summary_rows_for_the_fused_updates_appear_when_that_stage_ran(tmp_path):
+    """The fused stages' JSONs (model.tape_fused_updates=true) get their own rows; a campaign without them (every
+    one before #35's kernels) gets none, not a 'not measured' row."""
+    sys.path.insert(0, str(REPO / "tools"))
+    import gpu_summary
+
+    out = REPO / "docs" / "benchmarks" / "gpu" / "h200-2026-11-27"
+    assert not any("fused" in line for line in gpu_summary.target_lines(out))
+    train = json.loads((out / "train-llama-1b-compile.json").read_text())
+    (tmp_path / "train-llama-1b-compile.json").write_text(json.dumps(train))
+    fused = {**train, "overrides": {**train["overrides"], "tape_fused_updates": True}, "tape_over_rope_step_time": 1.08}
+    (tmp_path / "train-llama-1b-compile-fused.json").write_text(json.dumps(fused))
+    rows = [line for line in gpu_summary.target_lines(tmp_path) if "fused E updates" in line]
+    assert len(rows) == 2, rows  # the step ratio and RoPE's MFU of that run
+    assert "| 1.080× | ≤ 1.1× | yes | train-llama-1b-compile-fused.json |" in rows[0]
