@@ -56,12 +56,20 @@ _decisions: dict[tuple, bool] = {}
 
 def use_fused_updates(setting: bool | str, device: torch.device, dtype: torch.dtype) -> bool:
     """Resolve model.tape_fused_updates for tensors on `device` of `dtype`; logs each new decision once."""
-    key = (setting, device.type, device.index, dtype)
+    if setting is False:
+        return False
+    return _resolve(setting, device.type, device.index, dtype)
+
+
+@torch.compiler.assume_constant_result
+def _resolve(setting: bool | str, device_type: str, index: int | None, dtype: torch.dtype) -> bool:
+    """The decision, made once per (setting, device, dtype) and a constant to torch.compile: the first call may run
+    inside a compiled layer, and reading the verified-paths record there must not break its graph."""
+    key = (setting, device_type, index, dtype)
     if key in _decisions:
         return _decisions[key]
-    if setting is False:
-        choice = False
-    elif setting is True:
+    device = torch.device(device_type, index) if index is not None else torch.device(device_type)
+    if setting is True:
         reason = cannot_run_reason(device)
         if reason is not None:
             raise RuntimeError(f"model.tape_fused_updates=true: {reason}")
@@ -71,9 +79,8 @@ def use_fused_updates(setting: bool | str, device: torch.device, dtype: torch.dt
     else:
         choice = device.type == "cuda" and triton_installed() and verified_paths.is_verified(fused_path(device, dtype))
     _decisions[key] = choice
-    if not torch.compiler.is_compiling():
-        log.info("TAPE's E updates (model.tape_fused_updates=%s) on %s %s: %s", setting, device.type,
-                 verified_paths.dtype_name(dtype), "fused Triton kernels" if choice else "eager")
+    log.info("TAPE's E updates (model.tape_fused_updates=%s) on %s %s: %s", setting, device_type,
+             verified_paths.dtype_name(dtype), "fused Triton kernels" if choice else "eager")
     return choice
 
 

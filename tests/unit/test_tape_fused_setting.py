@@ -115,3 +115,21 @@ def test_the_setting_changes_how_not_what_so_a_resume_may_change_it():
     from tapetrain.train.resume_checks import EXECUTION_ONLY_MODEL_FIELDS
 
     assert "tape_fused_updates" in EXECUTION_ONLY_MODEL_FIELDS
+
+
+def test_the_first_decision_inside_a_compiled_region_breaks_no_graph(record, monkeypatch):
+    """On a GPU the first TAPE layer call resolves `auto` inside the compiled layer: it reads the verified-paths
+    record (a file), which torch.compile cannot trace. The decision is a constant to it instead (no graph break),
+    and it is the record's answer. (Fake sm_90 GPU; the function decides for a "cuda" device it never touches.)"""
+    fake_gpu(monkeypatch, (9, 0))
+    verified_paths.clear_cache()
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        fused = tape_fused._resolve("auto", "cuda", None, torch.bfloat16)
+        return x * 2 if fused else x * 3
+
+    explain = torch._dynamo.explain(step)(torch.ones(3))
+    assert explain.graph_break_count == 0, explain.break_reasons
+    assert tape_fused._decisions[("auto", "cuda", None, torch.bfloat16)] is True
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="eager")(torch.ones(3)), torch.full((3,), 2.0))
