@@ -12,9 +12,11 @@
   sp         sequence parallelism (DeepSpeed-Ulysses) on N CPU ranks it launches (gloo): SP 1 vs SP N alternated
              step by step, tokens/s and activation bytes saved for backward per rank (module docstring).
 
-One module per mode (attention, train, engine, layer, data, sp, docmask); `common` holds device, dtype, timing and
-memory helpers, `report` tables, JSON and figures, `steps` the models, optimizer and timed steps that train, engine
-and layer share. The names below are re-exported so that callers use `from tapetrain import bench; bench.X`.
+One module per mode (attention, train, engine, layer, data, sp, docmask), each with its options (`cli` builds the
+parser from them); `header` holds the header every mode's JSON starts with (mode, date, device, machine, versions),
+`arguments` the option blocks the modes share, `common` device, dtype, timing and memory helpers, `report` tables,
+JSON and figures, `steps` the models, optimizer and timed steps that train, engine and layer share. The names below
+are re-exported so that callers use `from tapetrain import bench; bench.X`.
 
 Timing: the compared variants are alternated call by call in one process, the order rotated every round, after
 warm-up (tapetrain.bench.pairs): a slow moment of a shared machine then falls on every variant of that round.
@@ -55,7 +57,6 @@ from tapetrain.bench.common import (
     device_name,
     pick_device,
     release_memory,
-    software_versions,
     synchronize,
     time_call,
 )
@@ -70,6 +71,7 @@ from tapetrain.bench.engine import (
     plot_engine,
     run_engine_benchmark,
 )
+from tapetrain.bench.header import HEADER_KEYS, report_header, software_versions
 from tapetrain.bench.layer import LayerSettings, layer_report, plot_layer, run_layer_benchmark
 from tapetrain.bench.pairs import MAX_WARMUP_ROUNDS, MIN_HEADLINE_PAIRS
 from tapetrain.bench.report import format_table, write_json_atomic
@@ -89,8 +91,10 @@ from tapetrain.bench.train import TrainSettings, plot_train, run_train_benchmark
 
 __all__ = [
     # common
-    "DTYPES", "GIB", "PeakMemory", "default_dtype", "device_name", "pick_device", "release_memory",
-    "software_versions", "synchronize", "time_call",
+    "DTYPES", "GIB", "PeakMemory", "default_dtype", "device_name", "pick_device", "release_memory", "synchronize",
+    "time_call",
+    # header
+    "HEADER_KEYS", "report_header", "software_versions",
     # report
     "format_table", "write_json_atomic",
     # steps

@@ -3,6 +3,7 @@ backend and sequence length, forward and forward+backward."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import statistics
 from collections.abc import Callable, Sequence
@@ -13,7 +14,9 @@ from typing import Any
 import torch
 
 from tapetrain.atomic_io import save_figure
-from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions
+from tapetrain.bench.arguments import add_report_args, ints, names
+from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory
+from tapetrain.bench.header import report_header
 from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS, interleaved_times, pair_ratios, spread
 from tapetrain.bench.report import format_table, pyplot, title_suffix
 from tapetrain.model.attention import attention, backend_available, expand_heads, sdpa_attention
@@ -120,6 +123,22 @@ def attention_flops(
     return 2 * pairs * (head_dim + value_dim), 2 * pairs * (3 * head_dim + 2 * value_dim)
 
 
+HELP = "fused-attention micro-benchmark: TAPE vs RoPE per backend"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_report_args(p)
+    p.add_argument("--seq-lens", type=ints, help="comma-separated (default: 128,256 on CPU; 1024..8192 on CUDA)")
+    p.add_argument("--batch", type=int)
+    p.add_argument("--heads", type=int, default=12, help="query heads (default 12, the paper's 155M model)")
+    p.add_argument("--kv-heads", type=int, help="key/value heads for GQA (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--iters", type=int, help="timed rounds, each case once, order rotated (≥ 10 for a headline)")
+    p.add_argument("--warmup", type=int, help="untimed iterations first")
+    p.add_argument("--backends", type=names,
+                   help=f"only these (comma-separated) of {', '.join(ATTENTION_BACKENDS)}; 'flash' selects all flash")
+
+
 @dataclass
 class AttentionSettings:
     seq_lens: list[int]
@@ -170,8 +189,7 @@ def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict
         release_memory(device)
     ratios = [p for p in pairs if p["kind"] == "tape_over_rope"]
     return {
-        "mode": "attention",
-        "device": device_name(device),
+        **report_header("attention", device_name(device)),
         "dtype": s.dtype,
         "batch": s.batch,
         "heads": s.heads,
@@ -187,7 +205,6 @@ def run_attention_benchmark(s: AttentionSettings, progress: bool = True) -> dict
         "timing": ("cases alternated call by call, order rotated each round; median and spread over rounds; "
                    + ("CUDA events" if device.type == "cuda" else "perf_counter")),
         "notes": notes,
-        "versions": software_versions(),
         "results": rows,
         "tape_over_rope_fwd_bwd": ratios,
         "pair_ratios": pairs,

@@ -47,18 +47,6 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def software_versions() -> dict[str, str | None]:
-    from importlib import metadata  # not importing the packages: deepspeed alone costs seconds and logs
-
-    versions: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("deepspeed", "triton", "flash-attn"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
 def time_call(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
     """Seconds per call for `iters` calls after `warmup` untimed ones."""
     for _ in range(warmup):

@@ -13,6 +13,7 @@ that latency added to every request (tapetrain.bench.shard_server) and read as a
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -21,8 +22,32 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
+from tapetrain.bench.arguments import add_report_args, ints
+from tapetrain.bench.common import device_name
+from tapetrain.bench.header import report_header
 from tapetrain.bench.report import format_table
+
+HELP = "prepare throughput (1 and 2 workers) and batch reader throughput"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_report_args(p, plot=False, device=False, run=False)  # no figure, no model
+    p.add_argument("--workdir", help="keep the generated data here (default: a temp dir, removed)")
+    p.add_argument("--corpus-mb", type=float, default=8.0, help="synthetic JSONL corpus size in MB")
+    p.add_argument("--vocab", type=int, default=4096, help="tokenizer vocabulary size")
+    p.add_argument("--reader-tokens", type=int, default=64 << 20, help="tokens of the synthetic reader dataset")
+    p.add_argument("--seq-lens", type=ints, default=[512, 2048, 8192], help="reader sequence lengths")
+    p.add_argument("--micro-batch", type=int, default=8, help="reader samples per batch")
+    p.add_argument("--seconds", type=float, default=4.0, help="reader time per sequence length")
+    p.add_argument("--remote-latency-ms", type=float, default=None,
+                   help="also read the dataset over HTTP on 127.0.0.1 with this latency per request (e.g. 50): "
+                        "cold and warm shard cache")
+    p.add_argument("--remote-shard-tokens", type=int, default=1 << 20, help="tokens per shard of the remote dataset")
+    p.add_argument("--tokenizers", default="sentencepiece",
+                   help="prepare with these, comma-separated: sentencepiece (a BPE .model), bpe (a byte-level BPE "
+                        "tokenizer.json, as Llama-3 / Qwen ship); both are trained on the corpus with --vocab ids")
 
 
 @dataclass
@@ -171,7 +196,8 @@ def run_data_benchmark(s: DataSettings) -> dict:
 
     work = s.workdir or tempfile.mkdtemp(prefix="bench_data_")
     os.makedirs(work, exist_ok=True)
-    result: dict = {"cpu_count": os.cpu_count(), "corpus_mb": s.corpus_mb, "vocab": s.vocab,
+    header = report_header("data", device_name(torch.device("cpu")))  # prepare and the readers run on the CPU
+    result: dict = {**header, "cpu_count": os.cpu_count(), "corpus_mb": s.corpus_mb, "vocab": s.vocab,
                     "reader_tokens": s.reader_tokens, "micro_batch": s.micro_batch}
     try:
         corpus = os.path.join(work, "corpus.jsonl")

@@ -10,6 +10,7 @@ a pair is one round's two steps and its ratio is step time with the mask / witho
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 from collections.abc import Callable
@@ -20,12 +21,28 @@ from typing import Any
 import torch
 
 from tapetrain.atomic_io import save_figure
+from tapetrain.bench.arguments import add_model_args, add_report_args, add_rounds_args
 from tapetrain.bench.common import DTYPES, device_name, pick_device
+from tapetrain.bench.header import report_header
 from tapetrain.bench.pairs import MAX_WARMUP_ROUNDS, MIN_HEADLINE_PAIRS, pairs_header, spread
 from tapetrain.bench.report import format_table, pyplot
 from tapetrain.bench.steps import PlainOptimizer, build_model, interleaved_steps, random_batches, steady_warmup
 
 VARIANTS = ("no_mask", "mask")
+
+
+HELP = "training step with vs without the document mask, alternated in one process"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_report_args(p)
+    add_model_args(p, seq_len=1024, batch=1)
+    p.add_argument("--docs", type=int, default=8, help="documents per row, random lengths (default 8)")
+    add_rounds_args(p, "timed rounds of one step per variant")
+    p.add_argument("--max-warmup", type=int, default=MAX_WARMUP_ROUNDS,
+                   help="warm-up goes past --warmup until the mask / no-mask ratio is steady (the last 3 rounds within "
+                        f"5%% of their median), at most this many rounds (default {MAX_WARMUP_ROUNDS})")
+    p.add_argument("--pe", default="tape", help="positional encoding (default tape)")
 
 
 @dataclass
@@ -134,8 +151,7 @@ def summarise(s: DocmaskSettings, raw: dict[str, Any]) -> dict[str, Any]:
     ratios = [m / n for n, m in zip(raw["times"]["no_mask"], raw["times"]["mask"], strict=True)]
     headline = s.pairs >= MIN_HEADLINE_PAIRS and not s.allow_few_pairs
     return {
-        "mode": "docmask",
-        "device": raw["device"],
+        **report_header("docmask", raw["device"]),
         "threads": torch.get_num_threads(),
         "preset": s.preset,
         "pe": s.pe,

@@ -3,6 +3,7 @@ arithmetic (model, batches, AdamW, clipping)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tapetrain.bench.arguments import CPU_OR_CUDA, PRESET_LENGTH, add_model_args, add_report_args, add_steps_args
 from tapetrain.bench.common import (
     DTYPES,
     PeakMemory,
@@ -17,8 +19,8 @@ from tapetrain.bench.common import (
     device_name,
     forget_attention_choices,
     release_memory,
-    software_versions,
 )
+from tapetrain.bench.header import report_header
 from tapetrain.bench.pairs import pair_ratios
 from tapetrain.bench.report import bar_chart, finite_or_none, fmt_pct, format_table, noise_warning, title_suffix
 from tapetrain.bench.steps import (
@@ -36,6 +38,17 @@ from tapetrain.model import Transformer
 from tapetrain.train.metrics import device_peak_flops
 
 ENGINE_TARGET = 0.9  # DeepSpeed tokens/s over plain PyTorch (the framework overhead should stay small)
+
+
+HELP = "DeepSpeed engine (one rank) vs a plain PyTorch loop"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_report_args(p, device=False)  # the device DeepSpeed's accelerator picks
+    add_model_args(p, seq_len=PRESET_LENGTH, batch=CPU_OR_CUDA)
+    add_steps_args(p)
+    p.add_argument("--zero-stage", type=int, default=2, choices=[0, 1, 2, 3])
+    p.add_argument("--pe", default="tape", help="positional encoding of the model (default tape)")
 
 
 @dataclass
@@ -122,8 +135,7 @@ def run_engine_benchmark(s: EngineSettings, progress: bool = True) -> dict:
         destroy_process_group()
 
     return {
-        "mode": "engine",
-        "device": device_name(device),
+        **report_header("engine", device_name(device)),
         "preset": s.preset,
         "pe": s.pe,
         "seq_len": s.seq_len,
@@ -136,7 +148,6 @@ def run_engine_benchmark(s: EngineSettings, progress: bool = True) -> dict:
         "overrides": s.overrides,
         "peak_flops": finite_or_none(peak),
         "ds_config": ds_config,
-        "versions": software_versions(),
         "plain": plain,
         "deepspeed": ds,
         "deepspeed_over_plain_tokens_per_s": ratio["median"],  # median of the per-round ratio

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, software_versions, synchronize
+from tapetrain.bench.arguments import add_model_args, add_report_args
+from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, release_memory, synchronize
+from tapetrain.bench.header import report_header
 from tapetrain.bench.report import bar_chart, format_table, title_suffix
 from tapetrain.bench.steps import build_model, random_batches
 
 if TYPE_CHECKING:
     from tapetrain.model.config import ModelConfig
+
+
+HELP = "one decoder layer's activation memory, measured vs the memory model"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_report_args(p)
+    add_model_args(p, seq_len="the preset's max_seq_len", batch=1)
+    p.add_argument("--pe", default="tape")
 
 
 @dataclass
@@ -94,8 +106,7 @@ def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
 
     measured = {key: diff(key) for key in ("after_forward_bytes", "peak_bytes", "saved_bytes")}
     return {
-        "mode": "layer",
-        "device": device_name(device),
+        **report_header("layer", device_name(device)),
         "preset": s.preset,
         "pe": s.pe,
         "seq_len": s.seq_len,
@@ -106,7 +117,6 @@ def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:
         "attention_path": path,
         "tiled_mlp_chunks": chunks,
         "tiled_mlp_recompute_peak_gb": tiled_mlp_peak_bytes(cfg, s.batch, s.seq_len, chunks, value_bytes) / GIB,
-        "versions": software_versions(),
         "runs": [two, three],
         "per_layer_measured_gb": {k: (v / GIB if v is not None else None) for k, v in measured.items()},
         "per_layer_estimate_gb": estimate / GIB,

@@ -79,9 +79,7 @@ def pair_ratios(numerator: Sequence[float], denominator: Sequence[float]) -> dic
 
 
 def pairs_header(settings: Any, warmup: int, pairs: int, headline: bool) -> dict[str, Any]:
-    """The fields every alternated mode's JSON carries: warm-up, pairs, whether they make a headline, versions and
-    the settings that produced it."""
-    from tapetrain.bench.common import software_versions
-
+    """The fields every alternated mode's JSON carries after its header: warm-up, pairs, whether they make a
+    headline and the settings that produced it."""
     return {"warmup_rounds": warmup, "pairs": pairs, "headline": headline, "min_headline_pairs": MIN_HEADLINE_PAIRS,
-            "versions": software_versions(), "settings": asdict(settings)}  # fmt: skip
+            "settings": asdict(settings)}  # fmt: skip

@@ -24,6 +24,7 @@ in it.
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -38,7 +39,9 @@ from typing import Any
 import torch
 
 from tapetrain.atomic_io import save_figure
+from tapetrain.bench.arguments import add_model_args, add_report_args, add_rounds_args, names
 from tapetrain.bench.common import DTYPES, device_name
+from tapetrain.bench.header import report_header
 from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS, pairs_header, rotated, spread
 from tapetrain.bench.report import format_table, pyplot
 from tapetrain.bench.steps import build_model, random_batches
@@ -47,6 +50,17 @@ from tapetrain.model import POSITIONAL_ENCODINGS, Transformer
 log = logging.getLogger("tapetrain.bench")
 
 MIB = 2**20
+
+
+HELP = "sequence parallelism on CPU ranks: SP 1 vs SP N tokens/s and memory per rank"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_report_args(p, device=False)  # CPU ranks over gloo
+    p.add_argument("--ranks", type=int, default=2, help="ranks to launch; SP 1 is compared with SP = ranks (default 2)")
+    add_model_args(p, seq_len=1024, batch=1)
+    add_rounds_args(p, "timed rounds, each one pair per PE")
+    p.add_argument("--pe-list", type=names, default=["tape", "rope"], help="positional encodings (default tape,rope)")
 
 
 @dataclass
@@ -274,8 +288,7 @@ def summarise(s: SpSettings, raw: dict[str, Any]) -> dict[str, Any]:
                         "first_loss": raw["first_loss"][v["name"]], "step_times_s": steps})  # fmt: skip
     headline = s.pairs >= MIN_HEADLINE_PAIRS and not s.allow_few_pairs
     return {
-        "mode": "sp",
-        "device": raw["device"],
+        **report_header("sp", raw["device"]),
         "preset": s.preset,
         "n_layers": raw["n_layers"],
         "params": raw["params"],

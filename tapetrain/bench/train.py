@@ -3,12 +3,14 @@ process: tokens/s, step time, MFU, peak memory."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tapetrain.bench.arguments import CPU_OR_CUDA, PRESET_LENGTH, add_model_args, add_report_args, add_steps_args, names
 from tapetrain.bench.common import (
     DTYPES,
     PeakMemory,
@@ -17,8 +19,8 @@ from tapetrain.bench.common import (
     forget_attention_choices,
     pick_device,
     release_memory,
-    software_versions,
 )
+from tapetrain.bench.header import report_header
 from tapetrain.bench.pairs import MAX_WARMUP_ROUNDS, MIN_HEADLINE_PAIRS, pair_ratios
 from tapetrain.bench.report import bar_chart, finite_or_none, fmt_pct, format_table, noise_warning, title_suffix
 from tapetrain.bench.steps import (
@@ -34,6 +36,16 @@ from tapetrain.bench.steps import (
 )
 from tapetrain.model import POSITIONAL_ENCODINGS
 from tapetrain.train.metrics import device_peak_flops
+
+HELP = "training-step throughput of TAPE and its RoPE twin in one run"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_report_args(p)
+    add_model_args(p, seq_len=PRESET_LENGTH, batch=CPU_OR_CUDA)
+    add_steps_args(p)
+    p.add_argument("--activation-checkpointing", action="store_true")
+    p.add_argument("--pe-list", type=names, default=["tape", "rope"], help="positional encodings (default tape,rope)")
 
 
 @dataclass
@@ -65,8 +77,7 @@ def run_train_benchmark(s: TrainSettings, progress: bool = True) -> dict:
     dtype = DTYPES[s.dtype]
     peak = device_peak_flops(device, s.peak_tflops)
     result: dict[str, Any] = {
-        "mode": "train",
-        "device": device_name(device),
+        **report_header("train", device_name(device)),
         "preset": s.preset,
         "seq_len": s.seq_len,
         "batch": s.batch,
@@ -79,7 +90,6 @@ def run_train_benchmark(s: TrainSettings, progress: bool = True) -> dict:
         "peak_flops": finite_or_none(peak),
         "optimizer": "torch AdamW (fused on CUDA), grad clip 1.0"
         + (", fp32 master weights" if dtype != torch.float32 else ""),
-        "versions": software_versions(),
         "pe_list": list(s.pe_list),
     }
     forget_attention_choices()

@@ -193,8 +193,8 @@ def linear_cross_entropy(
     hidden (..., C), weight (V, C), labels (...) int64 with -100 = ignore -> () fp32. 'mean' divides by the
     number of non-ignored labels (nan when there are none, as F.cross_entropy; the gradients are then zero);
     'sum' is the plain sum (0 when all are ignored); `count_targets` gives the count that goes with it.
-    `count` () replaces the mean's divisor: sequence parallelism passes the count of the whole sequences, of which
-    `labels` are one rank's slice, so the mean becomes this slice's share of the whole sequences' mean.
+    `count` () replaces the mean's divisor: for `labels` that are one part of the tokens, the count of all of them
+    makes the mean this part's share of the whole mean.
     """
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction={reduction!r}; choose 'mean' or 'sum'")
@@ -202,12 +202,11 @@ def linear_cross_entropy(
         raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape[:-1])}")
     backend = resolve_loss_backend(backend, hidden.device, hidden.dtype)
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
-    if backend == "plain" and (count is None or reduction == "sum"):
-        return F.cross_entropy(upcast(hidden @ weight.t()), labels, ignore_index=IGNORE_INDEX, reduction=reduction)
+    if backend == "plain" and reduction == "sum":
+        return F.cross_entropy(upcast(hidden @ weight.t()), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    if backend == "plain":
+        return cross_entropy(hidden @ weight.t(), labels, count)
     count = count_targets(labels) if count is None else count
-    if backend == "plain":  # a mean over a given count
-        total = F.cross_entropy(upcast(hidden @ weight.t()), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-        return torch.where(count > 0, total / count.clamp(min=1), math.nan)
     if backend == "liger" and torch.is_grad_enabled():
         total = _liger_sum(hidden, weight, labels)
         if reduction == "sum":
@@ -224,6 +223,16 @@ def linear_cross_entropy(
     if reduction == "sum":
         return total
     return torch.where(count > 0, total if inner else total / count.clamp(min=1), math.nan)
+
+
+def cross_entropy(logits: torch.Tensor, labels: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+    """The mean cross-entropy of logits (..., V) against labels (...) (-100 = ignore), in at least fp32 -> ().
+    `count` () replaces the mean's divisor, as in `linear_cross_entropy`."""
+    logits, labels = upcast(logits).flatten(0, -2), labels.flatten()  # (N, V), (N,)
+    if count is None:
+        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX)
+    total = F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    return torch.where(count > 0, total / count.clamp(min=1), math.nan)
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
@@ -246,7 +255,7 @@ class LMHead(nn.Linear):
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor | None = None,
                 count: torch.Tensor | None = None) -> torch.Tensor:
-        """`count`: the mean's divisor, as in `linear_cross_entropy` (sequence parallelism)."""
+        """`count`: the mean's divisor, as in `linear_cross_entropy`."""
         if labels is None:
             return super().forward(hidden)
         return linear_cross_entropy(hidden, self.weight, labels, backend=self.loss_backend, chunk_mib=self.chunk_mib,

@@ -19,7 +19,7 @@ from tapetrain.model.documents import DocumentMask, document_positions
 from tapetrain.model.fire import FireBias
 from tapetrain.model.randpe import draw_document_positions, draw_positions, randpe_limit
 from tapetrain.model.rope_scaling import frequencies_for
-from tapetrain.model.sequence_shard import SequenceShard, local_heads, local_tokens
+from tapetrain.model.sequence_shard import WHOLE_SEQUENCE, SequenceShard, local_heads, local_tokens
 from tapetrain.model.xpos import XposDecay, xpos_zeta
 
 
@@ -34,11 +34,11 @@ class PositionContext:
     xpos           XposDecay       xpos: the decay, applied inside attention block by block (tapetrain.model.xpos)
     bias           (1|B, H, T, S)  additive attention bias for alibi/fire
     tape_init      (B, T, M, D)    TAPE's E^(0), token-major like E everywhere: [c ‖ s] per token and head
-    shard          SequenceShard   sequence parallelism (None without): `positions` are this rank's slice of T/N
-                                   tokens, `key_positions` the whole sequence (B, T), and attention runs on whole
-                                   sequences for H/N heads, so xpos and bias span the whole sequence for those heads
+    shard          SequenceShard   `positions` are its slice of T/N tokens of every sequence (N = 1: all of them);
+                                   with N > 1 `key_positions` are the whole sequence (B, T) and attention runs on
+                                   whole sequences for H/N heads, so xpos and bias span them for those heads
     docs           DocumentMask    packed documents (data.document_mask; None without): positions restart per
-                                   document, attention stays inside one; whole sequences with a shard
+                                   document, attention stays inside one; always the whole sequences
     """
 
     positions: torch.Tensor
@@ -50,17 +50,17 @@ class PositionContext:
     resample_randpe: bool = False  # randpe drawing per layer: rotate_qk draws this layer's positions
     bias: torch.Tensor | None = None
     tape_init: torch.Tensor | None = None
-    shard: SequenceShard | None = None
+    shard: SequenceShard = WHOLE_SEQUENCE
     docs: DocumentMask | None = None
 
     @property
     def query_positions(self) -> torch.Tensor:
-        """Positions of the queries attention computes: the new tokens, or with a shard the whole sequence."""
-        return self.key_positions if self.shard is not None else self.positions
+        """Positions of the queries attention computes: the new tokens, or with N > 1 the whole sequence."""
+        return self.key_positions if self.shard.size > 1 else self.positions
 
     def own_heads(self, per_head: torch.Tensor) -> torch.Tensor:
-        """(B, H, ...) -> the heads this rank attends with (all without a shard)."""
-        return per_head if self.shard is None else per_head[:, local_heads(self.shard, per_head.shape[1])]
+        """(B, H, ...) -> the heads this rank attends with (all for N = 1)."""
+        return per_head if self.shard.size == 1 else per_head[:, local_heads(self.shard, per_head.shape[1])]
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,28 +117,26 @@ class PositionalEncoding(nn.Module):
 
     def default_positions(
         self, batch: int, length: int, past: int, offset: int, device: torch.device, sample: bool = False,
-        shard: SequenceShard | None = None,
+        shard: SequenceShard = WHOLE_SEQUENCE,
     ) -> torch.Tensor:
         """(B, T) float64 positions of new tokens: past + arange(T) + offset, or with `sample` (randpe, one draw
-        for all layers) a sorted random draw + offset, the same for every row (and every rank of a `shard`'s
-        group: T is then the whole sequence)."""
+        for all layers) a sorted random draw + offset, the same for every row and every rank of the `shard`'s
+        group (T is the whole sequence)."""
         if sample and not self.cfg.randpe_per_layer:
             draw = draw_positions(length, randpe_limit(self.cfg.randpe_max_position, self.cfg.max_seq_len), device)
-            if shard is not None:
-                draw = shard.same(draw)
-            return (draw + offset).expand(batch, length)
+            return (shard.same(draw) + offset).expand(batch, length)
         pos = torch.arange(past, past + length, device=device, dtype=torch.float64) + offset
         return pos.expand(batch, length)
 
     def document_positions(self, docs: DocumentMask, offset: int, sample: bool = False,
-                           shard: SequenceShard | None = None) -> torch.Tensor:
+                           shard: SequenceShard = WHOLE_SEQUENCE) -> torch.Tensor:
         """(B, T) float64 positions of packed documents: restarting at 0 (+ offset) per document, or with `sample`
-        (randpe, one draw for all layers) one sorted random draw per document (the same on every rank of a
-        `shard`'s group, whose docs are then the whole sequences')."""
+        (randpe, one draw for all layers) one sorted random draw per document (the same on every rank of the
+        `shard`'s group; docs are the whole sequences')."""
         if not (sample and not self.cfg.randpe_per_layer):
             return document_positions(docs.q_ids) + offset
         draw = draw_document_positions(docs.q_ids, self._randpe_limit)
-        return (draw if shard is None else shard.same(draw)) + offset
+        return shard.same(draw) + offset
 
     @property
     def _randpe_limit(self) -> int:
@@ -146,10 +144,10 @@ class PositionalEncoding(nn.Module):
 
     def context(
         self, positions: torch.Tensor, key_positions: torch.Tensor, dtype: torch.dtype, sample: bool = False,
-        shard: SequenceShard | None = None, docs: DocumentMask | None = None,
+        shard: SequenceShard = WHOLE_SEQUENCE, docs: DocumentMask | None = None,
     ) -> PositionContext:
         """Everything positional the layers share. `sample`: randpe draws positions (per layer: in rotate_qk).
-        With a `shard`, `positions` are this rank's tokens and `key_positions` the whole sequence. With `docs`
+        `positions` are the `shard`'s tokens, `key_positions` those of every key. With `docs`
         the positions are already per document (tapetrain.model.documents.document_positions)."""
         cfg = self.cfg
         ctx = PositionContext(positions=positions, key_positions=key_positions, shard=shard, docs=docs)
@@ -164,7 +162,7 @@ class PositionalEncoding(nn.Module):
                 ctx.tape_init = e0[:, :, None].expand(-1, -1, cfg.n_heads, -1)  # (B, T, M, D) view, no copy
             else:
                 ctx.cos, ctx.sin = cos[:, None].to(dtype), sin[:, None].to(dtype)  # (B, 1, T, F)
-        queries = ctx.query_positions  # what attention computes: with a shard, the whole sequence
+        queries = ctx.query_positions  # what attention computes: with N > 1, the whole sequence
         if self.kind == "xpos":
             zeta = xpos_zeta(cfg.head_dim, positions.device)
             decay_q, decay_k = queries, key_positions
@@ -177,7 +175,7 @@ class PositionalEncoding(nn.Module):
             dist = queries[:, :, None] - key_positions[:, None, :]  # (B, T, S)
             dist = dist.clamp(min=0) if cfg.causal else dist.abs()
             slopes = alibi_slopes(cfg.n_heads).to(positions.device)  # recomputed: a few floats, no buffer to init
-            slopes = ctx.own_heads(slopes[None])[0]  # with a shard: this rank's H/N heads
+            slopes = ctx.own_heads(slopes[None])[0]  # this rank's H/N heads
             ctx.bias = (-slopes[None, :, None, None] * dist[:, None]).to(dtype)  # (B, H, T, S)
         if self.kind == "fire" and cfg.fire_shared:
             ctx.bias = ctx.own_heads(self.fire(queries, key_positions)).to(dtype)
@@ -187,7 +185,7 @@ class PositionalEncoding(nn.Module):
         """Rotate q (B, H, T, D) and k (B, Hkv, T, D) for rope/randpe/xpos (xPos's decay comes later, inside
         attention); identity for the rest."""
         if ctx.resample_randpe:  # this layer's own draw replaces arange(T) in the (offset) positions
-            # Drawn for the whole sequence (no cache here, so key_positions are it), once per group with a shard.
+            # Drawn for the whole sequence (no cache here, so key_positions are it), once per shard's group.
             t = ctx.key_positions.shape[1]
             if ctx.docs is None:
                 draw = draw_positions(t, self._randpe_limit, q.device)
@@ -195,11 +193,7 @@ class PositionalEncoding(nn.Module):
             else:  # one draw per document, replacing its restarting positions
                 draw = draw_document_positions(ctx.docs.k_ids, self._randpe_limit)
                 plain = document_positions(ctx.docs.k_ids)
-            if ctx.shard is not None:
-                draw = ctx.shard.same(draw)
-            positions = ctx.key_positions + (draw - plain)
-            if ctx.shard is not None:
-                positions = positions[:, local_tokens(ctx.shard, t)]
+            positions = (ctx.key_positions + (ctx.shard.same(draw) - plain))[:, local_tokens(ctx.shard, t)]
             cos, sin = rope_angles(positions, ctx.inv_freq)
             cos, sin = cos[:, None].to(q.dtype), sin[:, None].to(q.dtype)  # (B, 1, T, F)
             return rotate_pairs(q, cos, sin), rotate_pairs(k, cos, sin)

@@ -11,7 +11,8 @@ things only:
     same     a tensor as the group's first rank holds it (RandPE: one draw of positions per sequence)
 
 `tapetrain.parallel` implements it over DeepSpeed-Ulysses; the model never imports that (it stays plain PyTorch).
-A model is given its shard with `Transformer.shard_sequence`; training and evaluation use it alike.
+A model is given its shard with `Transformer.shard_sequence`; training and evaluation use it alike. Without one the
+model runs the same forward with `WHOLE_SEQUENCE`, the group of one rank that holds every token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+
+from tapetrain.model.loss import count_targets
 
 # (q, k, values) of whole sequences for this rank's heads, token-major (B, T, h, ·) -> (B, T, h, Dv)
 LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,6 +48,25 @@ class SequenceShard(Protocol):
         ...
 
 
+class WholeSequence:
+    """The shard of a forward without sequence parallelism: one rank holding all T tokens, attending with all heads."""
+
+    rank, size = 0, 1
+
+    def attend(self, local_attention: LocalAttention, q: torch.Tensor, k: torch.Tensor,
+               values: torch.Tensor) -> torch.Tensor:
+        return local_attention(q, k, values)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().clone()
+
+    def same(self, x: torch.Tensor) -> torch.Tensor:
+        return x.detach().clone()
+
+
+WHOLE_SEQUENCE = WholeSequence()
+
+
 def local_tokens(shard: SequenceShard, length: int) -> slice:
     """This rank's tokens of a sequence of `length` tokens (a multiple of shard.size)."""
     per_rank = length // shard.size
@@ -54,3 +76,27 @@ def local_tokens(shard: SequenceShard, length: int) -> slice:
 def local_heads(shard: SequenceShard, n_heads: int) -> slice:
     """The query heads this rank attends with inside `attend` (n_heads a multiple of shard.size)."""
     return local_tokens(shard, n_heads)
+
+
+def kept_tokens(shard: SequenceShard, tokens: int, keep: int) -> slice:
+    """This rank's part of the whole sequences' last `keep` positions (all its `tokens` for keep <= 0), as a slice of
+    its own tokens: empty on a rank that holds none of them."""
+    if keep <= 0:
+        return slice(None)
+    kept_from = max(0, tokens * shard.size - keep) - shard.rank * tokens
+    return slice(min(max(0, kept_from), tokens), None)
+
+
+def whole_sequence_mean(shard: SequenceShard, labels: torch.Tensor,
+                        mean: Callable[[torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """The mean loss over the whole sequences' labels, of which `labels` (B, T/N) are this rank's slice.
+
+    mean(count) is this slice's loss sum over `count` (None: over its own labels, which for one rank are all of
+    them). With N > 1 the value is the group's mean (the same on every rank: logged, checked for NaN) and the
+    gradient this slice's share of it, so that the group's gradients add up to those of one rank holding the whole
+    sequences.
+    """
+    if shard.size == 1:
+        return mean(None)
+    share = mean(shard.sum(count_targets(labels)))  # the divisor: labels of the whole sequences
+    return share + (shard.sum(share) - share.detach())

@@ -11,7 +11,8 @@ token-major (M = n_heads; see model/tape.py).
 Sequence parallelism (`Transformer.shard_sequence`, model/sequence_shard.py): the input is one rank's contiguous
 slice of T/N tokens of every sequence, at its global positions. Only attention crosses ranks: q̃, k̃ and [V ‖ E]
 go through the Ulysses exchange, attention runs on whole sequences for H/N heads, and W_A and the MLP-side update
-act on the returned tokens with all their heads.
+act on the returned tokens with all their heads. Without a shard the same forward runs on `WHOLE_SEQUENCE`, the
+group of one rank that holds every token.
 """
 
 from __future__ import annotations
@@ -30,9 +31,15 @@ from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
 from tapetrain.model.documents import DocumentMask
 from tapetrain.model.fire import FireBias
-from tapetrain.model.loss import IGNORE_INDEX, LMHead, count_targets, upcast
+from tapetrain.model.loss import LMHead, cross_entropy
 from tapetrain.model.positions import PositionalEncoding, PositionContext
-from tapetrain.model.sequence_shard import SequenceShard, local_tokens
+from tapetrain.model.sequence_shard import (
+    WHOLE_SEQUENCE,
+    SequenceShard,
+    kept_tokens,
+    local_tokens,
+    whole_sequence_mean,
+)
 from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, TapeMlpUpdateNonEquivariant, rotate_qk_by_state
 from tapetrain.model.tiling import tile_count, tiled
 
@@ -111,7 +118,7 @@ class Attention(nn.Module):
             q, k = pe.rotate_qk(q.transpose(1, 2), k.transpose(1, 2), ctx)
         if cache is not None:
             k, v, e_values = cache.append(k, v, e_values)
-        if ctx.shard is not None:
+        if ctx.shard.size > 1:
             out, attended = self._attend_sharded(q, k, v, e_values, ctx)
         elif self.cfg.s2_attn and self.training and cache is None and ctx.docs is None:
             group = max(2, int(t * self.cfg.s2_attn_group_fraction))
@@ -200,7 +207,7 @@ class DecoderLayer(nn.Module):
         cache: LayerCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, C), TAPE's state E (B, T, M, D) or None -> both after this layer."""
-        if self.fire is not None:  # with a shard: the whole sequence, this rank's heads
+        if self.fire is not None:  # with N > 1 ranks: the whole sequence, this rank's heads
             bias = ctx.own_heads(self.fire(ctx.query_positions, ctx.key_positions))
             ctx = dataclasses.replace(ctx, bias=bias.to(x.dtype))
         attn_out, state = self.attn(self.attn_norm(x), ctx, state, pe, cache)
@@ -297,51 +304,63 @@ class Transformer(nn.Module):
         at 0 (+ position_offset) at every document start and attention stays inside each document, so every
         document computes what it would alone (RandPE: one draw per document). Not with a cache or explicit positions.
 
-        With a sequence shard (`shard_sequence`) input_ids and labels are this rank's slice (B, T/N); `positions`,
-        if given, are the whole sequence's (B, T) or (T,). The loss's value is then the mean over the whole
-        sequences' labels (the same on every rank of the group) and its gradient this slice's share of it, so
-        that the group's gradients add up to those of one rank holding the whole sequences. logits_to_keep then
-        keeps this rank's part of the whole sequences' last that many positions (B, k, V), k = 0 on ranks that
-        hold none of them.
+        One forward for every layout: without a shard (`shard_sequence`) the model is the one rank of
+        `WHOLE_SEQUENCE`. With a shard of N ranks input_ids and labels are this rank's slice (B, T/N); positions and
+        doc_ids, if given, stay the whole sequences' (B, T). The loss's value is then the mean over the whole
+        sequences' labels (the same on every rank of the group) and its gradient this slice's share of it
+        (`whole_sequence_mean`). logits_to_keep keeps this rank's part of the whole sequences' last that many
+        positions (B, k, V), k = 0 on ranks that hold none of them.
         """
-        if doc_ids is not None:
-            self._check_documents(doc_ids, positions, cache)
-        if self.sequence_shard is not None:
-            return self._forward_sharded(input_ids, labels, positions, position_offset, cache, tape_state,
-                                         logits_to_keep, doc_ids)
+        shard = WHOLE_SEQUENCE if self.sequence_shard is None else self.sequence_shard
         b, t = input_ids.shape
-        self._check_ids(input_ids)
-        past = cache.length if cache is not None else 0
+        self._check_inputs(input_ids, shard, positions, cache, tape_state, doc_ids)
+        whole, docs, sample = self._positions(b, t * shard.size, positions, position_offset, cache, doc_ids, shard,
+                                              input_ids.device)  # (B, T) float64: the whole sequences'
+        key_positions = cache.extend_positions(whole) if cache is not None else whole  # (B, S)
+        x = self.embed(input_ids)  # (B, T/N, C)
+        ctx = self.pe.context(whole[:, local_tokens(shard, whole.shape[1])], key_positions, x.dtype, sample, shard,
+                              docs)
+        state = tape_state if tape_state is not None else ctx.tape_init  # (B, T/N, M, D)
+        hidden = self._decode(x, ctx, state, cache)  # (B, T/N, C)
+        if labels is None:
+            return ModelOutput(logits=self.lm_head(hidden[:, kept_tokens(shard, t, logits_to_keep)]))
+        if isinstance(self.lm_head, LMHead) and self.lm_head.loss_backend != "plain":
+            # Fused loss inside lm_head's forward (ZeRO-3 gathers its weight there); no (B, T, V) logits.
+            # (A LoRA-wrapped lm_head is no LMHead and takes the plain path.)
+            loss = whole_sequence_mean(shard, labels, lambda count: self.lm_head(hidden, labels, count=count))
+            return ModelOutput(logits=None, loss=loss)
+        logits = self.lm_head(hidden)
+        return ModelOutput(logits=logits, loss=whole_sequence_mean(
+            shard, labels, lambda count: cross_entropy(logits, labels, count)))
+
+    def _positions(
+        self, batch: int, length: int, positions: torch.Tensor | None, offset: int, cache: KVCache | None,
+        doc_ids: torch.Tensor | None, shard: SequenceShard, device: torch.device,
+    ) -> tuple[torch.Tensor, DocumentMask | None, bool]:
+        """The whole sequences' positions (B, length) float64, their documents, and whether randpe drew them."""
         sample = positions is None and cache is None and self.pe.samples_positions  # randpe's random positions
-        docs = None
         if doc_ids is not None:
-            docs = DocumentMask.of(doc_ids.expand(b, t))
-            positions = self.pe.document_positions(docs, position_offset, sample)
-        elif positions is None:
-            positions = self.pe.default_positions(b, t, past, position_offset, input_ids.device, sample)
-        else:
-            positions = positions.to(torch.float64).expand(b, t)
-        key_positions = cache.extend_positions(positions) if cache is not None else positions
-        x = self.embed(input_ids)
-        ctx = self.pe.context(positions, key_positions, x.dtype, sample, docs=docs)
+            docs = DocumentMask.of(doc_ids.expand(batch, length))
+            return self.pe.document_positions(docs, offset, sample, shard), docs, sample
+        if positions is None:
+            past = cache.length if cache is not None else 0
+            return self.pe.default_positions(batch, length, past, offset, device, sample, shard), None, sample
+        return positions.to(torch.float64).expand(batch, length), None, sample
+
+    def _check_inputs(self, input_ids: torch.Tensor, shard: SequenceShard, positions: torch.Tensor | None,
+                      cache: KVCache | None, tape_state: torch.Tensor | None, doc_ids: torch.Tensor | None) -> None:
+        b, t = input_ids.shape
+        if doc_ids is not None:
+            self._check_documents(doc_ids, positions, cache, t * shard.size)
+        if shard.size > 1 and (cache is not None or tape_state is not None):
+            raise ValueError("a sequence-parallel forward takes no KV cache and no tape_state; generate and test "
+                             "the O(2) property without a sequence shard (shard_sequence(None))")
+        self._check_ids(input_ids)
         if tape_state is not None and tape_state.shape != (b, t, self.cfg.n_heads, self.cfg.head_dim):
             raise ValueError(
                 f"tape_state has shape {tuple(tape_state.shape)}; it must be token-major (B, T, M, D) = "
                 f"({b}, {t}, {self.cfg.n_heads}, {self.cfg.head_dim}), the layout of PositionContext.tape_init"
             )
-        state = tape_state if tape_state is not None else ctx.tape_init  # (B, T, M, D)
-        hidden = self._decode(x, ctx, state, cache)  # (B, T, C)
-        if labels is not None and isinstance(self.lm_head, LMHead) and self.lm_head.loss_backend != "plain":
-            # Fused loss inside lm_head's forward (ZeRO-3 gathers its weight there); no (B, T, V) logits.
-            # (A LoRA-wrapped lm_head is no LMHead and takes the plain path.)
-            return ModelOutput(logits=None, loss=self.lm_head(hidden, labels))
-        if logits_to_keep > 0 and labels is None:
-            hidden = hidden[:, -logits_to_keep:]
-        logits = self.lm_head(hidden)
-        loss = None
-        if labels is not None:
-            loss = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX)
-        return ModelOutput(logits=logits, loss=loss)
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         # Host-side check only: on an accelerator this read would synchronise every micro-step, and there the data
@@ -352,12 +371,16 @@ class Transformer(nn.Module):
                 "tokenized with a different tokenizer; re-run prepare or fix model.vocab_size"
             )
 
-    def _check_documents(self, doc_ids: torch.Tensor, positions: torch.Tensor | None, cache: KVCache | None) -> None:
+    def _check_documents(self, doc_ids: torch.Tensor, positions: torch.Tensor | None, cache: KVCache | None,
+                         length: int) -> None:
         if cache is not None or positions is not None:
             raise ValueError("doc_ids (the document mask) sets positions itself and takes no KV cache; generate one "
                              "document at a time without doc_ids")
         if self.cfg.s2_attn and self.training:
             raise ValueError("doc_ids with model.s2_attn: shifted sparse attention has no document mask")
+        if doc_ids.shape[-1] != length:
+            raise ValueError(f"doc_ids are the whole sequences' ({length} tokens, with sequence parallelism too), "
+                             f"got {doc_ids.shape[-1]}")
 
     def _decode(self, x: torch.Tensor, ctx: PositionContext, state: torch.Tensor | None,
                 cache: KVCache | None) -> torch.Tensor:
@@ -370,62 +393,6 @@ class Transformer(nn.Module):
             else:
                 x, state = layer(x, ctx, state, self.pe, layer_cache)
         return self.norm(x)
-
-    def _forward_sharded(
-        self,
-        input_ids: torch.Tensor,
-        labels: torch.Tensor | None,
-        positions: torch.Tensor | None,
-        position_offset: int,
-        cache: KVCache | None,
-        tape_state: torch.Tensor | None,
-        logits_to_keep: int = 0,
-        doc_ids: torch.Tensor | None = None,
-    ) -> ModelOutput:
-        """`forward` on this rank's slice (B, T/N) of every sequence; see `shard_sequence`. doc_ids, like
-        positions, are the whole sequences' (B, T): a slice's positions need its documents' start offsets."""
-        shard = self.sequence_shard
-        assert shard is not None
-        if cache is not None or tape_state is not None:
-            raise ValueError("a sequence-parallel forward takes no KV cache and no tape_state; generate and test "
-                             "the O(2) property without a sequence shard (shard_sequence(None))")
-        self._check_ids(input_ids)
-        b, t = input_ids.shape
-        length = t * shard.size  # of the whole sequences
-        docs = None
-        if doc_ids is not None:
-            if doc_ids.shape[-1] != length:
-                raise ValueError(f"with sequence parallelism doc_ids are the whole sequences' ({length} tokens), "
-                                 f"got {doc_ids.shape[-1]}")
-            docs = DocumentMask.of(doc_ids.expand(b, length))
-            sample = self.pe.samples_positions
-            whole = self.pe.document_positions(docs, position_offset, sample, shard)
-        elif positions is None:
-            sample = self.pe.samples_positions
-            whole = self.pe.default_positions(b, length, 0, position_offset, input_ids.device, sample, shard)
-        else:
-            sample = False
-            whole = positions.to(torch.float64).expand(b, length)
-        x = self.embed(input_ids)
-        ctx = self.pe.context(whole[:, local_tokens(shard, length)], whole, x.dtype, sample, shard, docs)
-        hidden = self._decode(x, ctx, ctx.tape_init, None)  # (B, T/N, C)
-        if labels is None:
-            if logits_to_keep > 0:  # the kept positions [length − keep, length) that fall in this rank's slice
-                kept_from = max(0, length - logits_to_keep) - shard.rank * t
-                hidden = hidden[:, min(max(0, kept_from), t):]  # (B, k, C), k in 0 .. T/N
-            return ModelOutput(logits=self.lm_head(hidden))  # (B, T/N or k, V): this slice's
-        count = shard.sum(count_targets(labels))  # labels of the whole sequences
-        logits = None
-        if isinstance(self.lm_head, LMHead) and self.lm_head.loss_backend != "plain":
-            share = self.lm_head(hidden, labels, count=count)  # this slice's loss sum / count
-        else:
-            logits = self.lm_head(hidden)
-            total = F.cross_entropy(upcast(logits).flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                    reduction="sum")
-            share = torch.where(count > 0, total / count.clamp(min=1), math.nan)
-        # The group's mean as the value (logged, checked for NaN), this slice's share as the gradient.
-        loss = share + (shard.sum(share) - share.detach())
-        return ModelOutput(logits=logits, loss=loss)
 
     # ---- bookkeeping -------------------------------------------------------------------------------------------
 

@@ -49,7 +49,7 @@ import torch
 
 from tapetrain.model.config import ModelConfig
 from tapetrain.model.loss import chunk_tokens_for
-from tapetrain.model.sequence_shard import SequenceShard, local_tokens
+from tapetrain.model.sequence_shard import WHOLE_SEQUENCE, SequenceShard, local_tokens
 from tapetrain.model.tiling import tile_count
 
 GiB = 2**30
@@ -452,16 +452,15 @@ def measure_layer_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor, l
                               shard: SequenceShard | None = None) -> int:
     """Exact bytes autograd saves for backward in one decoder layer's training forward, on this rank: input_ids
     (B, T), or with a sequence shard this rank's slice (B, T/N) of whole sequences of T·N tokens, as
-    `Transformer._forward_sharded` runs them. Storage-deduplicated, parameters excluded (`layer_activation_bytes`
+    `Transformer.forward` runs them. Storage-deduplicated, parameters excluded (`layer_activation_bytes`
     models it). The layers before `layer` run first, unmeasured, so that its input and TAPE's E are what training
     gives it (E then needs a gradient; layer 0's E^(0) does not)."""
     model.train()
     b, t = input_ids.shape
-    n = shard.size if shard is not None else 1
-    whole = model.pe.default_positions(b, t * n, 0, 0, input_ids.device, False, shard)
-    mine = whole[:, local_tokens(shard, t * n)] if shard is not None else whole
+    shard = WHOLE_SEQUENCE if shard is None else shard
+    whole = model.pe.default_positions(b, t * shard.size, 0, 0, input_ids.device, False, shard)
     x = model.embed(input_ids).detach().requires_grad_()
-    ctx = model.pe.context(mine, whole, x.dtype, False, shard)
+    ctx = model.pe.context(whole[:, local_tokens(shard, t * shard.size)], whole, x.dtype, False, shard)
     state = ctx.tape_init
     for earlier in model.layers[:layer]:
         x, state = earlier(x, ctx, state, model.pe)

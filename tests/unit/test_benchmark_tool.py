@@ -6,12 +6,15 @@ asserted by tests).
 
 from __future__ import annotations
 
+import argparse
+import ast
 import json
 import math
 import os
 import statistics
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -37,6 +40,13 @@ def _positive(x: object) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
+def _check_header(result: dict, mode: str) -> None:
+    """The header `report_header` gives every mode, whatever else the mode writes."""
+    assert set(bench.HEADER_KEYS) <= result.keys()
+    assert result["mode"] == mode and result["device"] and result["machine"] and result["versions"]["torch"]
+    assert datetime.fromisoformat(result["date"]).tzinfo is not None
+
+
 def _check_steps(r: dict) -> None:
     assert _positive(r["tokens_per_s"]) and _positive(r["step_s"])
     assert r["mfu"] is None  # CPU: unknown peak and no --peak-tflops
@@ -49,6 +59,7 @@ def test_train_mode(tmp_path: Path) -> None:
     proc = _run("train", "--preset", "tiny", "--seq-len", "64", "--batch", "2", "--steps", "2", "--warmup", "1",
                 "--no-progress", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
+    _check_header(result, "train")
     for key in ("device", "preset", "seq_len", "batch", "dtype", "tape", "rope", "tape_over_rope_step_time"):
         assert key in result, key
     assert (result["preset"], result["seq_len"], result["batch"], result["dtype"]) == ("tiny", 64, 2, "fp32")
@@ -73,6 +84,7 @@ def test_attention_mode(tmp_path: Path) -> None:
     proc = _run("attention", "--seq-lens", "32,64", "--batch", "1", "--heads", "2", "--head-dim", "16",
                 "--iters", "2", "--warmup", "1", "--no-progress", "--out", str(out), "--plot", str(plot))  # fmt: skip
     result = json.loads(out.read_text())
+    _check_header(result, "attention")
     assert result["dtype"] == "fp32" and result["seq_lens"] == [32, 64]
     cases = {(r["seq_len"], r["pe"], r["backend"]) for r in result["results"]}
     tape_backends = ("eager", "sdpa", "sdpa:one_call", "sdpa:two_calls")
@@ -97,6 +109,7 @@ def test_engine_mode(tmp_path: Path) -> None:
     _run("engine", "--preset", "tiny", "--seq-len", "32", "--batch", "2", "--steps", "2", "--warmup", "1",
          "--no-progress", "--out", str(out), "--no-plot")  # fmt: skip
     result = json.loads(out.read_text())
+    _check_header(result, "engine")
     assert result["zero_stage"] == 2 and result["ds_config"]["zero_optimization"]["stage"] == 2
     assert result["ds_config"]["gradient_clipping"] == 1.0
     _check_steps(result["plain"])
@@ -118,6 +131,7 @@ def test_data_mode(tmp_path: Path) -> None:
                 "--seconds", "0.05", "--remote-latency-ms", "5", "--remote-shard-tokens", "4000",
                 "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
+    _check_header(result, "data")
     assert [p["workers"] for p in result["prepare"]] == [1, 2] and result["prepare_identical_1_vs_2_workers"]
     assert all(
         _positive(p["tokens_per_s"]) and p["tokens"] == result["prepare"][0]["tokens"] for p in result["prepare"]
@@ -137,6 +151,7 @@ def test_sp_mode(tmp_path: Path) -> None:
     proc = _run("sp", "--ranks", "2", "--preset", "tiny", "--seq-len", "64", "--pairs", "2", "--warmup", "1",
                 "--allow-few-pairs", "--no-progress", "--out", str(out), timeout=300)  # fmt: skip
     result = json.loads(out.read_text())
+    _check_header(result, "sp")
     assert (result["ranks"], result["pairs"], result["headline"]) == (2, 2, False)
     assert result["peak_mem_kind"] == "saved_for_backward" and result["dist_backend"] == "gloo"
     assert result["attention_backends_ran"] and result["versions"]["torch"]
@@ -162,6 +177,7 @@ def test_docmask_mode(tmp_path: Path) -> None:
     proc = _run("docmask", "--preset", "tiny", "--seq-len", "64", "--docs", "4", "--pairs", "2", "--warmup", "1",
                 "--allow-few-pairs", "--threads", "1", "--no-progress", "--out", str(out))  # fmt: skip
     result = json.loads(out.read_text())
+    _check_header(result, "docmask")
     assert (result["mode"], result["seq_len"], result["docs_per_row"], result["pairs"]) == ("docmask", 64, 4, 2)
     assert result["headline"] is False and result["mask_over_no_mask"]["headline_step_time_ratio"] is None
     assert len(result["doc_lengths"]) == 4 and sum(result["doc_lengths"]) == 64 and min(result["doc_lengths"]) >= 1
@@ -195,6 +211,55 @@ def test_a_set_of_what_a_mode_option_decides_is_refused() -> None:
     with pytest.raises(ValueError, match="--set pe: set --pe/--pe-list instead"):
         build_model("tiny", "tape", 64, overrides={"pe": "rope"})
     assert build_model("tiny", "tape", 64, backend="eager", overrides={"n_layers": 1}).cfg.attn_backend == "eager"
+
+
+# ---- one header and one argument helper for every mode ---------------------------------------------------------
+
+
+def _modes() -> dict[str, argparse.ArgumentParser]:
+    from tapetrain.bench.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_mode_has_the_shared_report_options() -> None:
+    """Each mode's parser starts from `add_report_args`: its group is there, with --out, in every mode (and every
+    mode of the package is a subcommand)."""
+    from tapetrain.bench.arguments import REPORT_GROUP
+
+    modes = _modes()
+    assert set(modes) == {"attention", "train", "engine", "layer", "sp", "docmask", "data"}
+    for mode, parser in modes.items():
+        groups = {g.title: g for g in parser._action_groups}
+        assert REPORT_GROUP in groups, f"{mode} does not use add_report_args"
+        assert ["--out"] in [a.option_strings for a in groups[REPORT_GROUP]._group_actions], mode
+
+
+def _calls_and_keys(path: Path) -> tuple[list[ast.Call], set[str]]:
+    tree = ast.parse(path.read_text())
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    keys = {k.value for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys
+            if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return calls, keys
+
+
+def test_every_mode_takes_its_header_from_report_header() -> None:
+    """No mode (nor a helper module of the modes) writes a header field or asks for the versions itself: each
+    mode's module calls report_header with its own name, so every report carries the same header."""
+    package = REPO / "tapetrain" / "bench"
+    own = {"mode", "date", "machine", "versions"}  # the header's fields; "device" also names raw per-rank records
+    for path in sorted(package.glob("*.py")):
+        if path.name in ("header.py", "verified_record.py"):  # verified_record: GPU test campaigns, no report
+            continue
+        calls, keys = _calls_and_keys(path)
+        assert not own & keys, f"{path.name} writes header fields itself: {sorted(own & keys)}"
+        assert not [c for c in calls if ast.unparse(c.func).endswith("software_versions")], path.name
+    for mode in _modes():
+        calls, _ = _calls_and_keys(package / f"{mode}.py")
+        named = [c.args[0].value for c in calls if ast.unparse(c.func) == "report_header"
+                 and c.args and isinstance(c.args[0], ast.Constant)]
+        assert named == [mode], f"{mode}.py must build its header with report_header({mode!r}, ...)"
 
 
 # ---- pure helpers ---------------------------------------------------------------------------------------------
