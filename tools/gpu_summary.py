@@ -71,7 +71,7 @@ def target_lines(out: Path) -> list[str]:
             continue
         ratio = data.get("tape_over_rope_step_time")
         pairs = data.get("pairs", data.get("steps"))
-        fused = (data.get("overrides") or {}).get("tape_fused_updates") is True
+        fused = "fused" in (data.get("attention_ran") or {}).get("tape_updates", ())  # what ran, not what was asked
         where = f"{data['preset']} @{data['seq_len']}, {pairs} pairs" + (", fused E updates" if fused else "")
         if ratio is not None:
             met = "yes" if ratio <= STEP_RATIO_TARGET else "no"

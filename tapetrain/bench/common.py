@@ -119,9 +119,10 @@ class PeakMemory:
 
 def forget_attention_choices() -> None:
     """Start a measurement with an empty log of attention-backend choices (see attention_backends_ran)."""
-    from tapetrain.model import attention
+    from tapetrain.model import attention, tape_fused
 
     attention._logged_choices.clear()
+    tape_fused.clear_decisions()
 
 
 def attention_backends_ran(device: torch.device) -> dict[str, Any]:
@@ -129,7 +130,11 @@ def attention_backends_ran(device: torch.device) -> dict[str, Any]:
     SDPA or Triton on Hopper) and, on CPU, from how many keys SDPA splits TAPE's values into two calls."""
     from tapetrain.model import attention
 
+    from tapetrain.model import tape_fused
+
     ran: dict[str, Any] = {"backends": sorted({key[1] for key in attention._logged_choices})}
+    # TAPE's E updates: "fused" when model.tape_fused_updates resolved to the Triton kernels, "eager" otherwise
+    ran["tape_updates"] = sorted({"fused" if on else "eager" for on in tape_fused._decisions.values()})
     if device.type == "cpu":
         ran["cpu_sdpa_two_calls_from_keys"] = attention.CPU_TWO_CALLS_FROM_KEYS
     return ran

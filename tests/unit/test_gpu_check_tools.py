@@ -201,7 +201,8 @@ def test_summary_rows_for_the_fused_updates_appear_when_that_stage_ran(tmp_path)
     assert not any("fused" in line for line in gpu_summary.target_lines(out))
     train = json.loads((out / "train-llama-1b-compile.json").read_text())
     (tmp_path / "train-llama-1b-compile.json").write_text(json.dumps(train))
-    fused = {**train, "overrides": {**train["overrides"], "tape_fused_updates": True}, "tape_over_rope_step_time": 1.08}
+    fused = {**train, "overrides": {**train["overrides"], "tape_fused_updates": True}, "tape_over_rope_step_time": 1.08,
+             "attention_ran": {**train["attention_ran"], "tape_updates": ["fused"]}}
     (tmp_path / "train-llama-1b-compile-fused.json").write_text(json.dumps(fused))
     rows = [line for line in gpu_summary.target_lines(tmp_path) if "fused E updates" in line]
     assert len(rows) == 2, rows  # the step ratio and RoPE's MFU of that run
