@@ -128,9 +128,7 @@ def forget_attention_choices() -> None:
 def attention_backends_ran(device: torch.device) -> dict[str, Any]:
     """What attention actually ran since forget_attention_choices(): the backends `auto` resolved to (e.g. cuDNN
     SDPA or Triton on Hopper) and, on CPU, from how many keys SDPA splits TAPE's values into two calls."""
-    from tapetrain.model import attention
-
-    from tapetrain.model import tape_fused
+    from tapetrain.model import attention, tape_fused
 
     ran: dict[str, Any] = {"backends": sorted({key[1] for key in attention._logged_choices})}
     # TAPE's E updates: "fused" when model.tape_fused_updates resolved to the Triton kernels, "eager" otherwise
