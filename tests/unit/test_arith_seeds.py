@@ -146,10 +146,15 @@ def test_loss_curves_are_each_runs_logged_losses(tmp_path):
     assert (tmp_path / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_committed_multi_seed_table_is_its_per_seed_results():
-    """docs/results/arith-tiny: summary.json's means, sds and ranges recomputed from the committed per-seed JSONs,
-    and summary.md's rows from summary.json (what recipes.md quotes)."""
-    root = Path(__file__).resolve().parents[2] / "docs" / "results" / "arith-tiny"
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "results"
+
+
+@pytest.mark.parametrize("name", ["arith-tiny", "arith-tiny-tuning"])
+def test_committed_multi_seed_table_is_its_per_seed_results(name):
+    """docs/results/arith-tiny (the reported seeds) and arith-tiny-tuning (the seeds the recipe was chosen on):
+    summary.json's means, sds and ranges recomputed from the committed per-seed JSONs, and summary.md's rows from
+    summary.json (what recipes.md quotes)."""
+    root = RESULTS / name
     summary = json.loads((root / "summary.json").read_text())
     seeds = [pair["model_seed"] for pair in summary["seed_pairs"]]
     assert len(seeds) == 5 and set(summary["pes"]) == {"tape", "rope", "randpe", "nope", "fire"}
@@ -167,3 +172,18 @@ def test_committed_multi_seed_table_is_its_per_seed_results():
     assert f"| TAPE | {100 * tape['mean']:.1f} ± {100 * tape['sd']:.1f}" in md
     assert min(summary["results"]["tape"]["mean_in_distribution"]["per_seed"]) >= 0.95
     assert min(summary["results"]["rope"]["mean_in_distribution"]["per_seed"]) >= 0.95
+
+
+def test_the_reported_seeds_are_not_the_ones_the_recipe_was_chosen_on():
+    """The recipe was chosen on data seeds 42-46 (arith-tiny-tuning) and checked, TAPE alone, on the held-out probes
+    (arith-tiny-tuning/probes); the reported table uses none of those data or model seeds."""
+    tuning = json.loads((RESULTS / "arith-tiny-tuning" / "summary.json").read_text())["seed_pairs"]
+    probes = json.loads((RESULTS / "arith-tiny-tuning" / "probes" / "seed_pairs.json").read_text())
+    seen_data = {p["data_seed"] for p in tuning} | set(probes.values())
+    seen_model = {p["model_seed"] for p in tuning} | {int(m) for m in probes}
+    reported = json.loads((RESULTS / "arith-tiny" / "summary.json").read_text())["seed_pairs"]
+    assert not {p["data_seed"] for p in reported} & seen_data
+    assert not {p["model_seed"] for p in reported} & seen_model
+    for model_seed, data_seed in probes.items():  # each probe is the run it claims to be
+        probe = json.loads((RESULTS / "arith-tiny-tuning" / "probes" / "tape" / f"seed-{model_seed}.json").read_text())
+        assert probe["data"].endswith(f"seed-{data_seed}") and probe["model"].endswith(f"seed-{model_seed}@step3000")
