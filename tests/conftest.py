@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-# Keep CPU tests deterministic and cheap on the 2-core CI machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep CPU tests deterministic and cheap on the 2-core CI machine: the cores shared by the xdist workers.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def _import_triton_for_the_interpreter() -> None:
