@@ -82,6 +82,16 @@ SHARED_UNITS = {  # module -> its unit, for the modules that share a session fix
 }
 SHARED_SESSION_FIXTURES = ("two_checkpoints",)  # a 2-rank launch
 SLOW_WEIGHT, TEST_WEIGHT = 20.0, 0.5  # rough seconds per test: slow-marked (a launch or end to end), other
+# Unit modules far above TEST_WEIGHT a test (rough seconds on 2 cores, from --durations): they go out among the
+# slow ones, not last.
+HEAVY_UNITS = {
+    "tests/unit/test_memory_model.py": 140.0,  # DeepSpeed engines of a 155M model
+    "tests/unit/test_document_mask.py": 75.0,  # compiled FlexAttention
+    "tests/unit/test_benchmark_tool.py": 60.0,  # tools/benchmark.py end to end
+    "tests/unit/test_hf_generation.py": 50.0,
+    "tests/unit/test_kernel_tape_attention.py": 40.0,  # the Triton interpreter
+    "tests/unit/test_document_mask_triton.py": 30.0,
+}
 
 
 def _unit(nodeid: str) -> str:
@@ -114,6 +124,8 @@ def _heaviest_units_first(items: list[pytest.Item]) -> None:
         if used and _unit(item.nodeid) != used[0]:
             raise pytest.UsageError(f"{item.nodeid} uses {used[0]}: add its module to SHARED_UNITS in {__file__}")
         weights[_unit(item.nodeid)] += SLOW_WEIGHT if item.get_closest_marker("slow") else TEST_WEIGHT
+    for unit in weights.keys() & HEAVY_UNITS.keys():
+        weights[unit] = HEAVY_UNITS[unit]
     items.sort(key=lambda item: (-weights[_unit(item.nodeid)], _unit(item.nodeid)))  # stable within a unit
 
 
