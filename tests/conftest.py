@@ -99,6 +99,7 @@ def _unit(nodeid: str) -> str:
     return SHARED_UNITS.get(module, module)
 
 
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: the suite still runs without it
 def pytest_xdist_make_scheduler(config, log):
     if config.getvalue("dist") != "loadfile":
         return None
