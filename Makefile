@@ -12,7 +12,9 @@ LM_EVAL_LOCK := $(LOCKS)/lm-eval.lock
 TORCH_SPEC ?=
 DEEPSPEED_SPEC ?= $(shell $(PYTHON) tools/lockfile.py pins $(DEV_LOCK) deepspeed)
 PIP := $(BIN)/python -m pip
-PYTEST_ARGS ?= -q --timeout=900 --durations=15
+# Two pytest-xdist workers, one per CI core (alone, the suite kept ~1.1 cores busy: launches, waits on timeouts);
+# tests/conftest.py makes the units (a module, or modules sharing a session fixture) and sends the heaviest first.
+PYTEST_ARGS ?= -q --timeout=900 --durations=15 -n 2 --dist loadfile
 # uv (from requirements/tools.lock, in .venv-tools) installs the locks into .venv: 13-18 s against pip's 60-70 s here.
 # INSTALLER=pip: the same locks, the same packages, with pip alone.
 INSTALLER ?= uv

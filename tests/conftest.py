@@ -1,3 +1,4 @@
+import collections
 import json
 import os
 import sys
@@ -5,8 +6,8 @@ import sys
 import pytest
 import torch
 
-# Keep CPU tests deterministic and cheap on the 2-core CI machine.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Keep CPU tests deterministic and cheap on the 2-core CI machine: the cores shared by the xdist workers.
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
 
 
 def _import_triton_for_the_interpreter() -> None:
@@ -70,7 +71,68 @@ def verifies(request):
     return claim
 
 
+# `make test` runs on two pytest-xdist workers (-n 2 --dist loadfile) with the scheduler below: a module is one unit
+# of work (its module fixtures are built once), modules that share an expensive session fixture are one unit (the
+# worker that runs them builds it once), and the units go out heaviest first, so that the last ones, which one worker
+# finishes while the other may be idle, are short. (xdist's own --dist loadgroup does not work with pytest 9: it
+# renames item._nodeid, which pytest 9 no longer reads.)
+SHARED_UNITS = {  # module -> its unit, for the modules that share a session fixture of tests/distributed/conftest.py
+    "tests/distributed/test_damaged_checkpoints.py": "two_checkpoints",
+    "tests/distributed/test_background_hashing.py": "two_checkpoints",
+}
+SHARED_SESSION_FIXTURES = ("two_checkpoints",)  # a 2-rank launch
+SLOW_WEIGHT, TEST_WEIGHT = 20.0, 0.5  # rough seconds per test: slow-marked (a launch or end to end), other
+# Unit modules far above TEST_WEIGHT a test (rough seconds on 2 cores, from --durations): they go out among the
+# slow ones, not last.
+HEAVY_UNITS = {
+    "tests/unit/test_memory_model.py": 140.0,  # DeepSpeed engines of a 155M model
+    "tests/unit/test_document_mask.py": 75.0,  # compiled FlexAttention
+    "tests/unit/test_benchmark_tool.py": 60.0,  # tools/benchmark.py end to end
+    "tests/unit/test_hf_generation.py": 50.0,
+    "tests/unit/test_kernel_tape_attention.py": 40.0,  # the Triton interpreter
+    "tests/unit/test_document_mask_triton.py": 30.0,
+}
+
+
+def _unit(nodeid: str) -> str:
+    module = nodeid.split("::", 1)[0]
+    return SHARED_UNITS.get(module, module)
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist: the suite still runs without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class UnitScheduling(LoadFileScheduling):
+        """loadfile, with the units of _unit(), in the order the workers collected them (heaviest first)."""
+
+        def __init__(self, config, log=None) -> None:
+            super().__init__(config, log)
+            config.option.loadscopereorder = False  # xdist's reorder: by number of tests, not by weight
+
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return UnitScheduling(config, log)
+
+
+def _heaviest_units_first(items: list[pytest.Item]) -> None:
+    weights: collections.Counter[str] = collections.Counter()
+    for item in items:
+        used = [name for name in SHARED_SESSION_FIXTURES if name in getattr(item, "fixturenames", ())]
+        if used and _unit(item.nodeid) != used[0]:
+            raise pytest.UsageError(f"{item.nodeid} uses {used[0]}: add its module to SHARED_UNITS in {__file__}")
+        weights[_unit(item.nodeid)] += SLOW_WEIGHT if item.get_closest_marker("slow") else TEST_WEIGHT
+    for unit in weights.keys() & HEAVY_UNITS.keys():
+        weights[unit] = HEAVY_UNITS[unit]
+    items.sort(key=lambda item: (-weights[_unit(item.nodeid)], _unit(item.nodeid)))  # stable within a unit
+
+
 def pytest_collection_modifyitems(config, items):
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller schedules in the order collected
+        _heaviest_units_first(items)
     for item in items:
         # What a gpu-marked test verifies reaches the junit XML as a property; the GPU campaign turns it into the
         # verified-paths record that `auto` consults (tapetrain/model/verified_paths.py, tools/verified_paths.py).
