@@ -170,8 +170,9 @@ def test_committed_multi_seed_table_is_its_per_seed_results(name):
     md = (root / "summary.md").read_text()
     tape = summary["results"]["tape"]["mean_in_distribution"]
     assert f"| TAPE | {100 * tape['mean']:.1f} ± {100 * tape['sd']:.1f}" in md
-    assert min(summary["results"]["tape"]["mean_in_distribution"]["per_seed"]) >= 0.95
-    assert min(summary["results"]["rope"]["mean_in_distribution"]["per_seed"]) >= 0.95
+    if name == "arith-tiny-tuning":  # what the recipe was chosen for, on these seeds (the reported ones: recipes.md)
+        assert min(summary["results"]["tape"]["mean_in_distribution"]["per_seed"]) >= 0.95
+        assert min(summary["results"]["rope"]["mean_in_distribution"]["per_seed"]) >= 0.95
 
 
 def test_the_reported_seeds_are_not_the_ones_the_recipe_was_chosen_on():
