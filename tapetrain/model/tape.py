@@ -49,20 +49,15 @@ class TapeHeadMix(nn.Module):
     Zero-initialised, so a fresh or retrofitted model starts as its RoPE twin.
     """
 
-    def __init__(self, n_heads: int, mode: str, fused: bool | str = False):
+    def __init__(self, n_heads: int, mode: str):
         super().__init__()
         self.mode = mode
-        self.fused = fused  # model.tape_fused_updates (model/tape_fused.py)
         shape = (n_heads, n_heads) if mode == "full" else (n_heads,)
         self.weight = nn.Parameter(torch.zeros(shape))
 
     def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """state, attended = A·E: (B, T, M, D) -> updated state (B, T, M, D)."""
         weight = self.weight.to(attended.dtype)
-        if use_fused_updates(self.fused, state.device, state.dtype):
-            from tapetrain.kernels.tape_head_mix import tape_head_mix  # lazy: triton is optional
-
-            return tape_head_mix(state, attended, weight)  # the residual fused in, no E-sized temporary
         if self.mode == "full":
             mixed = torch.matmul(weight, attended)  # (M, M) @ (B, T, M, D): one small product per token
         else:
@@ -77,9 +72,8 @@ class TapeMlpUpdate(nn.Module):
     (the paper's zero W2); W_x and W_up keep the normal init so W_down receives gradient from step 0.
     """
 
-    def __init__(self, d_model: int, n_heads: int, channels: int, fused: bool | str = False):
+    def __init__(self, d_model: int, n_heads: int, channels: int):
         super().__init__()
-        self.fused = fused  # model.tape_fused_updates (model/tape_fused.py)
         self.x_proj = nn.Linear(d_model, channels, bias=False)  # W_x: C -> I
         self.up_proj = nn.Linear(n_heads, channels, bias=False)  # W_up: M -> I
         self.down_proj = nn.Linear(channels, n_heads, bias=False)  # W_down: I -> M
@@ -87,15 +81,42 @@ class TapeMlpUpdate(nn.Module):
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         """state (B, T, M, D), mlp_out (B, T, C) -> updated state (B, T, M, D)."""
-        if use_fused_updates(self.fused, state.device, state.dtype):
-            from tapetrain.kernels.tape_mlp_update import tape_mlp_update  # lazy: triton is optional
-
-            # W_x·m (B, T, I) is an ordinary projection; the kernel applies the SiLU and never writes (B, T, I, D)
-            return tape_mlp_update(state, self.x_proj(mlp_out), self.up_proj.weight, self.down_proj.weight)
         gate = F.silu(self.x_proj(mlp_out))  # (B, T, I)
         up = torch.matmul(self.up_proj.weight, state)  # (I, M) @ (B, T, M, D) -> (B, T, I, D)
         hidden = up * gate[..., None]  # (B, T, I, D)
         return state + torch.matmul(self.down_proj.weight, hidden)  # (M, I) @ (B, T, I, D) -> (B, T, M, D)
+
+
+class TapeHeadMixWithKernels(TapeHeadMix):
+    """TapeHeadMix that runs as the fused Triton kernel where model.tape_fused_updates resolves on (tape_fused.py).
+    Same parameters and names; the eager class stays the verbatim copy the Hugging Face remote code carries."""
+
+    def __init__(self, n_heads: int, mode: str, fused: bool | str):
+        super().__init__(n_heads, mode)
+        self.fused = fused
+
+    def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        if not use_fused_updates(self.fused, state.device, state.dtype):
+            return super().forward(state, attended)
+        from tapetrain.kernels.tape_head_mix import tape_head_mix  # lazy: triton is optional
+
+        return tape_head_mix(state, attended, self.weight.to(attended.dtype))  # the residual fused in
+
+
+class TapeMlpUpdateWithKernels(TapeMlpUpdate):
+    """TapeMlpUpdate that runs as the fused Triton kernel where model.tape_fused_updates resolves on."""
+
+    def __init__(self, d_model: int, n_heads: int, channels: int, fused: bool | str):
+        super().__init__(d_model, n_heads, channels)
+        self.fused = fused
+
+    def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
+        if not use_fused_updates(self.fused, state.device, state.dtype):
+            return super().forward(state, mlp_out)
+        from tapetrain.kernels.tape_mlp_update import tape_mlp_update  # lazy: triton is optional
+
+        # W_x·m (B, T, I) is an ordinary projection; the kernel applies the SiLU and never writes (B, T, I, D)
+        return tape_mlp_update(state, self.x_proj(mlp_out), self.up_proj.weight, self.down_proj.weight)
 
 
 class TapeMlpUpdateNonEquivariant(nn.Module):

@@ -40,7 +40,13 @@ from tapetrain.model.sequence_shard import (
     local_tokens,
     whole_sequence_mean,
 )
-from tapetrain.model.tape import TapeHeadMix, TapeMlpUpdate, TapeMlpUpdateNonEquivariant, rotate_qk_by_state
+from tapetrain.model.tape import (
+    TapeHeadMix,
+    TapeHeadMixWithKernels,
+    TapeMlpUpdateNonEquivariant,
+    TapeMlpUpdateWithKernels,
+    rotate_qk_by_state,
+)
 from tapetrain.model.tiling import tile_count, tiled
 
 
@@ -88,7 +94,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale  # None = 1/√D; YaRN/LongRoPE's temperature, on the logits only
         self.tape_mix = (
-            TapeHeadMix(cfg.n_heads, cfg.tape_head_mix, cfg.tape_fused_updates)
+            TapeHeadMixWithKernels(cfg.n_heads, cfg.tape_head_mix, cfg.tape_fused_updates)
             if cfg.pe == "tape" and cfg.tape_attn_update and updates_state
             else None
         )
@@ -188,7 +194,7 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
         self.tape_mlp = (
-            TapeMlpUpdate(cfg.d_model, cfg.n_heads, cfg.tape_dim, cfg.tape_fused_updates)
+            TapeMlpUpdateWithKernels(cfg.d_model, cfg.n_heads, cfg.tape_dim, cfg.tape_fused_updates)
             if updates_state and cfg.tape_mlp_update
             else None
         )
