@@ -91,9 +91,7 @@ class TapeHeadMixWithKernels(TapeHeadMix):
     """TapeHeadMix that runs as the fused Triton kernel where model.tape_fused_updates resolves on (tape_fused.py).
     Same parameters and names; the eager class stays the verbatim copy the Hugging Face remote code carries."""
 
-    def __init__(self, n_heads: int, mode: str, fused: bool | str):
-        super().__init__(n_heads, mode)
-        self.fused = fused
+    fused: bool | str = False  # model.tape_fused_updates, set after construction (no __init__ of its own: ZeRO-3)
 
     def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         if not use_fused_updates(self.fused, state.device, state.dtype):
@@ -106,9 +104,7 @@ class TapeHeadMixWithKernels(TapeHeadMix):
 class TapeMlpUpdateWithKernels(TapeMlpUpdate):
     """TapeMlpUpdate that runs as the fused Triton kernel where model.tape_fused_updates resolves on."""
 
-    def __init__(self, d_model: int, n_heads: int, channels: int, fused: bool | str):
-        super().__init__(d_model, n_heads, channels)
-        self.fused = fused
+    fused: bool | str = False  # model.tape_fused_updates, set after construction (no __init__ of its own: ZeRO-3)
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
         if not use_fused_updates(self.fused, state.device, state.dtype):

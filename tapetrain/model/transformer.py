@@ -80,6 +80,11 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _with_setting(module: nn.Module, cfg: ModelConfig) -> nn.Module:
+    module.fused = cfg.tape_fused_updates  # model.tape_fused_updates (model/tape_fused.py)
+    return module
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, updates_state: bool):
         super().__init__()
@@ -94,7 +99,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale  # None = 1/√D; YaRN/LongRoPE's temperature, on the logits only
         self.tape_mix = (
-            TapeHeadMixWithKernels(cfg.n_heads, cfg.tape_head_mix, cfg.tape_fused_updates)
+            _with_setting(TapeHeadMixWithKernels(cfg.n_heads, cfg.tape_head_mix), cfg)
             if cfg.pe == "tape" and cfg.tape_attn_update and updates_state
             else None
         )
@@ -194,7 +199,7 @@ class DecoderLayer(nn.Module):
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
         self.tape_mlp = (
-            TapeMlpUpdateWithKernels(cfg.d_model, cfg.n_heads, cfg.tape_dim, cfg.tape_fused_updates)
+            _with_setting(TapeMlpUpdateWithKernels(cfg.d_model, cfg.n_heads, cfg.tape_dim), cfg)
             if updates_state and cfg.tape_mlp_update
             else None
         )
