@@ -24,6 +24,9 @@ from tapetrain import atomic_io
 HEARTBEAT_DIR = "heartbeats"
 HEARTBEAT_SECONDS = 2.0
 STALE_SECONDS = 3 * HEARTBEAT_SECONDS + 1  # a beat or two may be late on a busy machine; three are not
+# SIGKILL closes a process's sockets before it leaves the process table: a peer's "connection reset" can arrive
+# while the killed rank still looks alive. Waiting this long for it to go costs a hung job only seconds.
+DEAD_WAIT_SECONDS = 10.0
 
 
 def heartbeat_path(run_dir: Path, rank: int) -> Path:
@@ -142,6 +145,16 @@ def read_beats(run_dir: Path, world_size: int, skip_rank: int) -> list[RankBeat]
             )
         )
     return beats
+
+
+def dead_ranks(beats: list[RankBeat], wait_s: float = DEAD_WAIT_SECONDS) -> list[RankBeat]:
+    """The ranks whose process is gone, waiting up to wait_s for one that is still exiting (none found: [])."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [b for b in beats if b.process_gone()]
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.1)
 
 
 def missing_ranks(beats: list[RankBeat], step: int) -> list[RankBeat]:

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
+import socket
+import subprocess
+import sys
 import time
 
 from tapetrain.train.heartbeat import (
     HEARTBEAT_SECONDS,
     STALE_SECONDS,
     Heartbeat,
+    RankBeat,
+    dead_ranks,
     heartbeat_path,
     missing_ranks,
     read_beats,
@@ -43,3 +48,23 @@ def test_the_thread_writes_the_current_step(tmp_path):
             time.sleep(0.1)
     finally:
         beat.stop()
+
+
+def test_a_peer_still_exiting_is_named_dead(tmp_path):
+    """CI 2026-11-27: SIGKILL closes a rank's sockets before its process is gone from the process table, so the
+    survivor's "Connection reset by peer" could arrive while the dead rank still looked alive; the job then ended
+    as an internal error instead of naming the dead rank. The check now waits a little for the process to go."""
+    exiting = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"])
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host = socket.gethostname()
+        beats = [RankBeat(1, 5, 0.5, host, exiting.pid), RankBeat(2, 5, 0.5, host, alive.pid)]
+        assert not beats[0].process_gone()  # still sleeping: the race this test is about
+        started = time.monotonic()
+        assert [b.rank for b in dead_ranks(beats, wait_s=20)] == [1]
+        assert time.monotonic() - started < 15
+        assert dead_ranks(beats[1:], wait_s=0.5) == []  # a live peer is not dead, and the wait is bounded
+    finally:
+        alive.kill()
+        alive.wait()
+        exiting.wait()
