@@ -19,7 +19,7 @@ from tapetrain.data.supervised import document_ids, inputs_and_labels
 from tapetrain.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.errors import RunError, UserError
 from tapetrain.train.checkpointing import TrainingProgress
-from tapetrain.train.heartbeat import Heartbeat, RankBeat, dead_ranks, missing_ranks, read_beats
+from tapetrain.train.heartbeat import DEAD_WAIT_SECONDS, Heartbeat, RankBeat, dead_ranks, missing_ranks, read_beats
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
 from tapetrain.train.schedule import set_schedule_position
 from tapetrain.train.step_guard import StepGuard, weights_are_finite
@@ -276,7 +276,9 @@ class Trainer:
             self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
             step = heartbeat.step if heartbeat else self.step + 1
             beats = read_beats(self.run_dir, self.env.world_size, self.env.rank) if self.env.world_size > 1 else []
-            dead = dead_ranks(beats)
+            # A timeout is a hung peer, not a dying one: no wait for a process to go
+            timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+            dead = dead_ranks(beats, wait_s=0.0 if timed_out else DEAD_WAIT_SECONDS)
             if dead:  # a peer that died closes its connections at once: not a timeout
                 raise self._dead_ranks_error(step, dead) from err
             missing = missing_ranks(beats, step)
