@@ -61,7 +61,15 @@ def use_fused_updates(setting: bool | str, device: torch.device, dtype: torch.dt
     return _resolve(setting, device.type, device.index, dtype)
 
 
-@torch.compiler.assume_constant_result
+def constant_to_compile(fn):
+    """What torch.compiler.assume_constant_result(fn) does (it sets this one attribute, which dynamo reads when it
+    traces a call to fn), without importing torch._dynamo: that import is ~1 s of every process that loads the model
+    (exports, evals, tools). tests/unit/test_tape_fused_setting.py checks the decorator still does just this."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@constant_to_compile
 def _resolve(setting: bool | str, device_type: str, index: int | None, dtype: torch.dtype) -> bool:
     """The decision, made once per (setting, device, dtype) and a constant to torch.compile: the first call may run
     inside a compiled layer, and reading the verified-paths record there must not break its graph."""

@@ -133,3 +133,21 @@ def test_the_first_decision_inside_a_compiled_region_breaks_no_graph(record, mon
     assert tape_fused._decisions[("auto", "cuda", None, torch.bfloat16)] is True
     torch._dynamo.reset()
     assert torch.equal(torch.compile(step, backend="eager")(torch.ones(3)), torch.full((3,), 2.0))
+
+
+def test_loading_the_model_does_not_import_the_compiler():
+    """_resolve is marked for torch.compile without importing torch._dynamo (about 1 s of every process that loads
+    the model): that holds only while torch's decorator does no more than set the attribute that ours sets."""
+    import subprocess
+    import sys
+
+    code = "import sys, tapetrain.model; print('torch._dynamo' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+    def marked_by_torch() -> None: ...
+
+    def marked_by_us() -> None: ...
+
+    torch.compiler.assume_constant_result(marked_by_torch)
+    tape_fused.constant_to_compile(marked_by_us)
+    assert vars(marked_by_torch) == vars(marked_by_us) == {"_dynamo_marked_constant": True}
