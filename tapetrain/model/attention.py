@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from tapetrain.model import verified_paths
+from tapetrain.model.compile_constant import constant_to_compile
 from tapetrain.model.config import ATTN_BACKENDS
 from tapetrain.model.documents import DocumentMask
 from tapetrain.model.xpos import XposDecay, decayed_attention
@@ -238,10 +239,12 @@ def gpu_path(backend: str, device: torch.device, dtype: torch.dtype, *, has_e: b
                                   verified_paths.dtype_name(dtype), e=has_e, docs=has_docs, gqa=gqa)
 
 
+@constant_to_compile
 def _verified_here(name: str, device: torch.device, dtype: torch.dtype, has_e: bool, has_docs: bool,
                    gqa: bool) -> bool:
     """Installed, and (on CUDA) passed its gpu-marked tests on this GPU capability (tapetrain.model.verified_paths):
-    what `auto` needs before it picks a fused backend."""
+    what `auto` needs before it picks a fused backend. A constant to torch.compile: `auto` is first resolved inside
+    a compiled layer, where reading the record (a file) cannot be traced."""
     if not backend_available(name, device):
         return False
     return device.type != "cuda" or verified_paths.is_verified(gpu_path(name, device, dtype, has_e=has_e,

@@ -16,6 +16,7 @@ import os
 import torch
 
 from tapetrain.model import verified_paths
+from tapetrain.model.compile_constant import constant_to_compile
 
 log = logging.getLogger("tapetrain.model")
 
@@ -59,14 +60,6 @@ def use_fused_updates(setting: bool | str, device: torch.device, dtype: torch.dt
     if setting is False:
         return False
     return _resolve(setting, device.type, device.index, dtype)
-
-
-def constant_to_compile(fn):
-    """What torch.compiler.assume_constant_result(fn) does (it sets this one attribute, which dynamo reads when it
-    traces a call to fn), without importing torch._dynamo: that import is ~1 s of every process that loads the model
-    (exports, evals, tools). tests/unit/test_tape_fused_setting.py checks the decorator still does just this."""
-    fn._dynamo_marked_constant = True
-    return fn
 
 
 @constant_to_compile

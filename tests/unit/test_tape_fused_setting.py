@@ -14,6 +14,7 @@ import torch
 from tapetrain.bench.verified_record import merge_campaign, record_from_junit
 from tapetrain.errors import ConfigError
 from tapetrain.model import preset_config, tape_fused, verified_paths
+from tapetrain.model.compile_constant import constant_to_compile
 from tapetrain.train.preflight import attention_plan_lines
 from tapetrain.train.start_checks import check_fused_updates
 
@@ -149,5 +150,5 @@ def test_loading_the_model_does_not_import_the_compiler():
     def marked_by_us() -> None: ...
 
     torch.compiler.assume_constant_result(marked_by_torch)
-    tape_fused.constant_to_compile(marked_by_us)
+    constant_to_compile(marked_by_us)
     assert vars(marked_by_torch) == vars(marked_by_us) == {"_dynamo_marked_constant": True}

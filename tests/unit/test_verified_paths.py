@@ -160,3 +160,18 @@ def test_the_committed_record_names_real_paths():
             backends = ATTN_BACKENDS if path["kind"] == "attention" else LOSS_BACKENDS
             assert path["backend"] in backends and path["dtype"] in ("bf16", "fp16", "fp32"), path
             assert path["tests"], path  # every verdict names the tests behind it
+
+
+def test_auto_decided_inside_a_compiled_layer_breaks_no_graph(record, monkeypatch):
+    """The first attention call of a compiled layer resolves `auto` inside the compiled region; the record lookup
+    (a file read) is a constant to torch.compile there, not a graph break, and it is the record's answer."""
+    fake_gpu(monkeypatch, (8, 0), installed=("triton",))
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        name = choose_backend("auto", device=CUDA, dtype=torch.bfloat16, has_bias=False, has_e=True)
+        return x * 2 if name == "triton" else x * 3
+
+    explain = torch._dynamo.explain(step)(torch.ones(3))
+    assert explain.graph_break_count == 0, explain.break_reasons
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(step, backend="eager")(torch.ones(3)), torch.full((3,), 2.0))
