@@ -147,6 +147,41 @@ def read_beats(run_dir: Path, world_size: int, skip_rank: int) -> list[RankBeat]
     return beats
 
 
+# What torch's backends say when a peer's connection closes (gloo; NCCL), as opposed to a timeout or a bug.
+LOST_CONNECTION_SIGNS = ("connection reset", "connection closed", "broken pipe", "remote process exited",
+                         "network error", "connection refused", "end of file")
+
+
+def lost_connection(err: BaseException) -> bool:
+    """Whether a failed collective lost a peer's connection (a dying peer), not waited for one (a hung peer)."""
+    text = str(err).lower()
+    return any(sign in text for sign in LOST_CONNECTION_SIGNS)
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """Why a collective failed: "dead" (a rank's process is gone), "lost" (its connection closed; a rank on another
+    node, named when its heartbeat stopped), "hung" (it did not arrive in time)."""
+
+    kind: str
+    ranks: list[RankBeat]
+
+
+def diagnose_peers(err: BaseException, run_dir: Path, world_size: int, rank: int, step: int,
+                   wait_s: float | None = None) -> PeerFailure | None:
+    """The peers behind a failed collective, from their heartbeats; None where no peer is to blame (raise err)."""
+    wait_s = DEAD_WAIT_SECONDS if wait_s is None else wait_s
+    lost = lost_connection(err)
+    dead = dead_ranks(read_beats(run_dir, world_size, rank), wait_s if lost else 0.0)
+    if dead:
+        return PeerFailure("dead", dead)
+    beats = read_beats(run_dir, world_size, rank)  # after the wait, a dead rank elsewhere has stopped beating
+    if lost:
+        return PeerFailure("lost", missing_ranks(beats, step))
+    missing = missing_ranks(beats, step)
+    return PeerFailure("hung", missing) if missing else None
+
+
 def dead_ranks(beats: list[RankBeat], wait_s: float = DEAD_WAIT_SECONDS) -> list[RankBeat]:
     """The ranks whose process is gone, waiting up to wait_s for one that is still exiting (none found: [])."""
     deadline = time.monotonic() + wait_s

@@ -19,7 +19,7 @@ from tapetrain.data.supervised import document_ids, inputs_and_labels
 from tapetrain.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.errors import RunError, UserError
 from tapetrain.train.checkpointing import TrainingProgress
-from tapetrain.train.heartbeat import DEAD_WAIT_SECONDS, Heartbeat, RankBeat, dead_ranks, missing_ranks, read_beats
+from tapetrain.train.heartbeat import Heartbeat, RankBeat, diagnose_peers
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
 from tapetrain.train.schedule import set_schedule_position
 from tapetrain.train.step_guard import StepGuard, weights_are_finite
@@ -274,17 +274,17 @@ class Trainer:
             raise
         except RuntimeError as err:  # torch's collective timeouts and lost peers
             self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
-            step = heartbeat.step if heartbeat else self.step + 1
-            beats = read_beats(self.run_dir, self.env.world_size, self.env.rank) if self.env.world_size > 1 else []
-            # A timeout is a hung peer, not a dying one: no wait for a process to go
-            timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
-            dead = dead_ranks(beats, wait_s=0.0 if timed_out else DEAD_WAIT_SECONDS)
-            if dead:  # a peer that died closes its connections at once: not a timeout
-                raise self._dead_ranks_error(step, dead) from err
-            missing = missing_ranks(beats, step)
-            if not missing:
+            if heartbeat is None:
                 raise
-            raise self._hung_ranks_error(step, missing) from err
+            step = heartbeat.step
+            failure = diagnose_peers(err, self.run_dir, self.env.world_size, self.env.rank, step)
+            if failure is None:  # not a peer's failure: the error as it is
+                raise
+            if failure.kind == "dead":  # a peer that died closes its connections at once: not a timeout
+                raise self._dead_ranks_error(step, failure.ranks) from err
+            if failure.kind == "lost":
+                raise self._lost_peer_error(step, failure.ranks, err) from err
+            raise self._hung_ranks_error(step, failure.ranks) from err
         except BaseException:
             self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
             raise
@@ -391,6 +391,18 @@ class Trainer:
             "out why in that rank's log and dmesg (the OOM killer, a SIGKILL from the scheduler, a crash), then start "
             f"the same command again (train.resume=auto resumes from the last checkpoint in "
             f"{self.run_dir / store.CHECKPOINTS})"
+        )
+
+    def _lost_peer_error(self, step: int, stopped: list[RankBeat], err: BaseException) -> RunError:
+        """A peer's connection closed and no process on this node is gone: a rank elsewhere died or lost its node."""
+        who = (f"rank(s) {', '.join(str(b.rank) for b in stopped)} stopped beating "
+               f"({'; '.join(b.describe() for b in stopped)})" if stopped else "no rank's heartbeat has stopped yet")
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        return RunError(
+            f"step {step}: a collective lost its connection to another rank ({first_line}); {who}. A rank on another "
+            "node most likely died or its node lost the network. The job stops: find out why in that rank's log and "
+            "its node's dmesg, then start the same command again (train.resume=auto resumes from the last checkpoint "
+            f"in {self.run_dir / store.CHECKPOINTS})"
         )
 
     def _hung_ranks_error(self, step: int, missing: list[RankBeat]) -> RunError:

@@ -14,7 +14,9 @@ from tapetrain.train.heartbeat import (
     Heartbeat,
     RankBeat,
     dead_ranks,
+    diagnose_peers,
     heartbeat_path,
+    lost_connection,
     missing_ranks,
     read_beats,
 )
@@ -68,3 +70,34 @@ def test_a_peer_still_exiting_is_named_dead(tmp_path):
         alive.kill()
         alive.wait()
         exiting.wait()
+
+
+GLOO_RESET = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+              "[127.0.0.1]:33981: Connection reset by peer. This is typically caused by a remote worker hanging or "
+              "bugs in the application.")  # what CI's survivor got on 2026-11-27
+GLOO_TIMEOUT = ("[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 12000ms for recv "
+                "operation")
+
+
+def test_a_lost_connection_is_told_from_a_timeout_and_from_a_bug():
+    """Only a lost connection waits for a dying peer; a timeout is a hung rank and any other RuntimeError (a bug in
+    the step) is raised as it is, without a wait."""
+    assert lost_connection(RuntimeError(GLOO_RESET))
+    assert lost_connection(RuntimeError("NCCL error: remote process exited or there was a network error"))
+    assert not lost_connection(RuntimeError(GLOO_TIMEOUT))
+    assert not lost_connection(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 6x8)"))
+
+
+def test_a_peer_on_another_node_that_stopped_beating_is_named_as_lost(tmp_path):
+    """A dead rank on another node cannot be looked up in the process table: after the wait its heartbeat has
+    stopped, and it is the rank named (it used to end the job as "an internal error, a bug in tapetrain")."""
+    write_beat(tmp_path, 1, 5, age_s=STALE_SECONDS + 1)  # host "h": not this machine
+    write_beat(tmp_path, 2, 5, age_s=0.5)
+    started = time.monotonic()
+    failure = diagnose_peers(RuntimeError(GLOO_RESET), tmp_path, world_size=3, rank=0, step=5, wait_s=0.5)
+    assert failure.kind == "lost" and [b.rank for b in failure.ranks] == [1]
+    assert time.monotonic() - started >= 0.5  # it waited for a process that might still be going
+    hung = diagnose_peers(RuntimeError(GLOO_TIMEOUT), tmp_path, world_size=3, rank=0, step=5, wait_s=30)
+    assert hung.kind == "hung" and [b.rank for b in hung.ranks] == [1]  # no wait on a timeout
+    write_beat(tmp_path, 1, 5, age_s=0.5)  # every peer beating: a bug in the step is no peer's failure
+    assert diagnose_peers(RuntimeError("shapes cannot be multiplied"), tmp_path, 3, 0, step=5, wait_s=30) is None
