@@ -172,12 +172,12 @@ def diagnose_peers(err: BaseException, run_dir: Path, world_size: int, rank: int
     """The peers behind a failed collective, from their heartbeats; None where no peer is to blame (raise err)."""
     wait_s = DEAD_WAIT_SECONDS if wait_s is None else wait_s
     lost = lost_connection(err)
-    dead = dead_ranks(read_beats(run_dir, world_size, rank), wait_s if lost else 0.0)
+    beats = read_beats(run_dir, world_size, rank)
+    dead = dead_ranks(beats, wait_s if lost else 0.0)
     if dead:
         return PeerFailure("dead", dead)
-    beats = read_beats(run_dir, world_size, rank)  # after the wait, a dead rank elsewhere has stopped beating
-    if lost:
-        return PeerFailure("lost", missing_ranks(beats, step))
+    if lost:  # re-read after the wait: by now a dead rank on another node has stopped beating
+        return PeerFailure("lost", missing_ranks(read_beats(run_dir, world_size, rank), step))
     missing = missing_ranks(beats, step)
     return PeerFailure("hung", missing) if missing else None
 
