@@ -135,7 +135,7 @@ def pytest_collection_modifyitems(config, items):
         _heaviest_units_first(items)
     for item in items:
         # What a gpu-marked test verifies reaches the junit XML as a property; the GPU campaign turns it into the
-        # verified-paths record that `auto` consults (tapetrain/model/verified_paths.py, tools/verified_paths.py).
+        # kernel record that `auto` consults (tapetrain/model/kernel_record.py, tools/kernel_record.py).
         for mark in item.iter_markers("verifies"):
             if mark.kwargs:  # a bare mark only selects the test for the campaign; its claims come from the fixture
                 item.user_properties.append(("verifies", json.dumps(mark.kwargs, sort_keys=True)))

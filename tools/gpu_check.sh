@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One command for a bare GPU machine (torch + triton present, no internet): install the wheels that
 # `make gpu-wheels` put into gpu-wheels/, then run stages by priority within a time budget: the GPU tests (those
-# that failed in the newest committed campaign first), the verified-paths record, then the decisive benchmarks.
+# that failed in the newest committed campaign first), the kernel record, then the decisive benchmarks.
 # A stage runs only if its estimate fits what is left of the budget (never past it); the rest are listed as skipped.
-# Leaves logs, JSON, PNG, summary.tsv, summary.md and verified-paths.json in OUT_DIR.
+# Leaves logs, JSON, PNG, summary.tsv, summary.md and kernel-record.json in OUT_DIR.
 #
 #   tools/gpu_check.sh OUT_DIR [--budget SECONDS] [--tar FILE] [--dry-run] [--only STAGE,...] [--skip STAGE,...]
 #
@@ -59,7 +59,7 @@ STAGES=(
   "env|20|60|describe_machine"
   "gpu-tests-first|$FIRST_ESTIMATE|150|cd $REPO && if [ -n \"$FIRST\" ]; then $PYTEST --junitxml=$OUT/gpu-tests-first.xml $FIRST; else echo 'nothing failed in the newest committed campaign'; fi"
   "gpu-tests|300|360|cd $REPO && $PYTEST -m 'gpu or verifies' $DESELECT --junitxml=$OUT/gpu-tests.xml tests"
-  "verified-paths|15|60|$PY $REPO/tools/verified_paths.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml --out $OUT/verified-paths.json"
+  "kernel-record|15|60|$PY $REPO/tools/kernel_record.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml --out $OUT/kernel-record.json"
   "train-1b-compile|75|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
   "train-1b-compile-fused|90|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --set tape_fused_updates=true --out $OUT/train-llama-1b-compile-fused.json"
   "layer-memory|30|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"

@@ -1,5 +1,5 @@
 """summary.md of a GPU campaign (tools/gpu_check.sh OUT_DIR): each stage, each test's result, each figure against
-its target, and what the verified-paths record says. Reads only what the campaign wrote into OUT_DIR.
+its target, and what the kernel record says. Reads only what the campaign wrote into OUT_DIR.
 
     python tools/gpu_summary.py OUT_DIR > OUT_DIR/summary.md
     python tools/gpu_summary.py --last-failed     # node ids that failed in the newest committed campaign
@@ -92,9 +92,10 @@ def target_lines(out: Path) -> list[str]:
 
 
 def verified_lines(out: Path) -> list[str]:
-    data = _json(out / "verified-paths.json")
+    # Campaigns before 2026-11-28 named the file verified-paths.json.
+    data = _json(out / "kernel-record.json") or _json(out / "verified-paths.json")
     if not data:
-        return ["(no verified-paths.json: the tests did not run, or the record stage was skipped)"]
+        return ["(no kernel-record.json: the tests did not run, or the record stage was skipped)"]
     lines = [f"{data['device']} (sm_{data['capability'].replace('.', '')}), {data['date']}; "
              + ", ".join(f"{k} {v}" for k, v in data["versions"].items()), "",
              "| kind | backend | dtype | E | docs | GQA | passed |", "|---|---|---|---|---|---|---|"]

@@ -38,7 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tapetrain.model import verified_paths
+from tapetrain.model import kernel_record
 from tapetrain.model.compile_constant import constant_to_compile
 from tapetrain.model.config import ATTN_BACKENDS
 from tapetrain.model.documents import DocumentMask
@@ -233,28 +233,28 @@ def _cudnn_sdpa(device: torch.device) -> bool:
 
 
 def gpu_path(backend: str, device: torch.device, dtype: torch.dtype, *, has_e: bool, has_docs: bool = False,
-             gqa: bool = False) -> verified_paths.GpuPath:
-    """The verified-paths key of one attention call on a CUDA device."""
-    return verified_paths.GpuPath("attention", backend, verified_paths.capability_of(device),
-                                  verified_paths.dtype_name(dtype), e=has_e, docs=has_docs, gqa=gqa)
+             gqa: bool = False) -> kernel_record.KernelKey:
+    """The kernel-record key of one attention call on a CUDA device."""
+    return kernel_record.KernelKey("attention", backend, kernel_record.capability_of(device),
+                                  kernel_record.dtype_name(dtype), e=has_e, docs=has_docs, gqa=gqa)
 
 
 @constant_to_compile
 def _verified_here(name: str, device: torch.device, dtype: torch.dtype, has_e: bool, has_docs: bool,
                    gqa: bool) -> bool:
-    """Installed, and (on CUDA) passed its gpu-marked tests on this GPU capability (tapetrain.model.verified_paths):
+    """Installed, and (on CUDA) passed its gpu-marked tests on this GPU capability (tapetrain.model.kernel_record):
     what `auto` needs before it picks a fused backend. A constant to torch.compile: `auto` is first resolved inside
     a compiled layer, where reading the record (a file) cannot be traced."""
     if not backend_available(name, device):
         return False
-    return device.type != "cuda" or verified_paths.is_verified(gpu_path(name, device, dtype, has_e=has_e,
+    return device.type != "cuda" or kernel_record.is_verified(gpu_path(name, device, dtype, has_e=has_e,
                                                                          has_docs=has_docs, gqa=gqa))
 
 
 def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool,
                    has_docs: bool = False, grad: bool = True, gqa: bool = False) -> str:
     """Resolve "auto" (or validate an explicit choice) for one call site; logs each new decision once. On CUDA,
-    "auto" picks a fused backend only where the verified-paths record says it passed on this GPU capability."""
+    "auto" picks a fused backend only where the kernel record says it passed on this GPU capability."""
     if requested not in ATTN_BACKENDS:
         raise ValueError(f"model.attn_backend={requested!r} is not a backend; choose one of {', '.join(ATTN_BACKENDS)}")
     if requested == "auto" and has_docs:
@@ -291,7 +291,7 @@ def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, 
         else:
             choice = requested
         if device.type == "cuda" and not torch.compiler.is_compiling():
-            verified_paths.warn_if_unverified(gpu_path(choice, device, dtype, has_e=has_e, has_docs=has_docs, gqa=gqa))
+            kernel_record.warn_if_unverified(gpu_path(choice, device, dtype, has_e=has_e, has_docs=has_docs, gqa=gqa))
     # One line per distinct choice: a TAPE model's last layer (no state update, so no E) usually gets the same
     # backend as its other layers and is not logged again.
     key = (requested, choice, device.type, dtype, has_bias, has_docs, grad if has_docs else True)

@@ -107,7 +107,7 @@ class ModelConfig:
         "auto",
         "TAPE: run E's updates (the q/k rotation by E, the head mix and the MLP-side update) as fused Triton kernels "
         "that never write the (B, T, I, D) intermediates. auto = on a GPU where they passed their gpu-marked tests "
-        "(the verified-paths record), eager elsewhere; true = always (on CPU only under TRITON_INTERPRET=1, for "
+        "(the kernel record), eager elsewhere; true = always (on CPU only under TRITON_INTERPRET=1, for "
         "checks); false = eager. Same results; the non-equivariant ablation always runs eager.",
     )
     tape_layers: list[int] | None = option(

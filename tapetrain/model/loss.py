@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tapetrain.model import verified_paths
+from tapetrain.model import kernel_record
 from tapetrain.model.config import LOSS_BACKENDS
 
 IGNORE_INDEX = -100
@@ -56,8 +56,8 @@ def resolve_loss_backend(requested: str, device: torch.device, dtype: torch.dtyp
     if requested not in LOSS_BACKENDS:
         raise ValueError(f"model.loss_backend={requested!r} is unknown; choose one of {', '.join(LOSS_BACKENDS)}")
     cuda_liger = device.type == "cuda" and liger_available()
-    if requested == "auto":  # liger only where its GPU tests passed on this capability (model/verified_paths.py)
-        return "liger" if cuda_liger and dtype != torch.float16 and verified_paths.is_verified(
+    if requested == "auto":  # liger only where its GPU tests passed on this capability (model/kernel_record.py)
+        return "liger" if cuda_liger and dtype != torch.float16 and kernel_record.is_verified(
             _liger_path(device, dtype)) else "chunked"
     if requested == "liger" and not cuda_liger:
         raise RuntimeError(
@@ -66,13 +66,13 @@ def resolve_loss_backend(requested: str, device: torch.device, dtype: torch.dtyp
             "machine, or set model.loss_backend=auto (or chunked)"
         )
     if requested == "liger" and not torch.compiler.is_compiling():
-        verified_paths.warn_if_unverified(_liger_path(device, dtype))
+        kernel_record.warn_if_unverified(_liger_path(device, dtype))
     return requested
 
 
-def _liger_path(device: torch.device, dtype: torch.dtype) -> verified_paths.GpuPath:
-    capability = verified_paths.capability_of(device)
-    return verified_paths.GpuPath("loss", "liger", capability, verified_paths.dtype_name(dtype))
+def _liger_path(device: torch.device, dtype: torch.dtype) -> kernel_record.KernelKey:
+    capability = kernel_record.capability_of(device)
+    return kernel_record.KernelKey("loss", "liger", capability, kernel_record.dtype_name(dtype))
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):

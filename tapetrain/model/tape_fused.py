@@ -2,7 +2,7 @@
 
 The fused kernels (tapetrain.kernels.tape_rotation, tape_head_mix, tape_mlp_update) compute exactly what the eager
 modules in model/tape.py compute, without writing their E-sized intermediates. `auto` takes them only on a GPU
-capability where the verified-paths record says their gpu-marked tests passed (kind "tape_update"), so a GPU
+capability where the kernel record says their gpu-marked tests passed (kind "tape_update"), so a GPU
 nobody has tested them on keeps the eager path; `true` takes them everywhere (on CPU through the Triton
 interpreter, TRITON_INTERPRET=1 — slow, for end-to-end checks of the kernels), with one warning on an unverified
 GPU; `false` never.
@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from tapetrain.model import verified_paths
+from tapetrain.model import kernel_record
 from tapetrain.model.compile_constant import constant_to_compile
 
 log = logging.getLogger("tapetrain.model")
@@ -37,10 +37,10 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def fused_path(device: torch.device, dtype: torch.dtype) -> verified_paths.GpuPath:
-    """The verified-paths key of the fused updates on a CUDA device."""
-    capability, dtype_name = verified_paths.capability_of(device), verified_paths.dtype_name(dtype)
-    return verified_paths.GpuPath(KIND, "triton", capability, dtype_name)
+def fused_path(device: torch.device, dtype: torch.dtype) -> kernel_record.KernelKey:
+    """The kernel-record key of the fused updates on a CUDA device."""
+    capability, dtype_name = kernel_record.capability_of(device), kernel_record.dtype_name(dtype)
+    return kernel_record.KernelKey(KIND, "triton", capability, dtype_name)
 
 
 def cannot_run_reason(device: torch.device) -> str | None:
@@ -65,7 +65,7 @@ def use_fused_updates(setting: bool | str, device: torch.device, dtype: torch.dt
 @constant_to_compile
 def _resolve(setting: bool | str, device_type: str, index: int | None, dtype: torch.dtype) -> bool:
     """The decision, made once per (setting, device, dtype) and a constant to torch.compile: the first call may run
-    inside a compiled layer, and reading the verified-paths record there must not break its graph."""
+    inside a compiled layer, and reading the kernel record there must not break its graph."""
     key = (setting, device_type, index, dtype)
     if key in _decisions:
         return _decisions[key]
@@ -75,13 +75,13 @@ def _resolve(setting: bool | str, device_type: str, index: int | None, dtype: to
         if reason is not None:
             raise RuntimeError(f"model.tape_fused_updates=true: {reason}")
         if device.type == "cuda":
-            verified_paths.warn_if_unverified(fused_path(device, dtype))
+            kernel_record.warn_if_unverified(fused_path(device, dtype))
         choice = True
     else:
-        choice = device.type == "cuda" and triton_installed() and verified_paths.is_verified(fused_path(device, dtype))
+        choice = device.type == "cuda" and triton_installed() and kernel_record.is_verified(fused_path(device, dtype))
     _decisions[key] = choice
     log.info("TAPE's E updates (model.tape_fused_updates=%s) on %s %s: %s", setting, device_type,
-             verified_paths.dtype_name(dtype), "fused Triton kernels" if choice else "eager")
+             kernel_record.dtype_name(dtype), "fused Triton kernels" if choice else "eager")
     return choice
 
 
@@ -92,16 +92,16 @@ def plan_line(setting: bool | str, device: torch.device, dtype: torch.dtype) -> 
     if setting is True and cannot_run_reason(device) is not None:
         return head + f"refused ({cannot_run_reason(device)})"
     fused = setting is True or (setting == "auto" and device.type == "cuda" and triton_installed()
-                                and verified_paths.is_verified(fused_path(device, dtype)))
+                                and kernel_record.is_verified(fused_path(device, dtype)))
     if not fused:
         why = "asked for" if setting is False else (
             "auto: not verified on this GPU" if device.type == "cuda" else f"auto: eager on {device.type}")
         return head + f"eager ({why})"
     if device.type != "cuda":
         return head + "fused Triton kernels (CPU interpreter: correctness checks only)"
-    verified = verified_paths.is_verified(fused_path(device, dtype))
+    verified = kernel_record.is_verified(fused_path(device, dtype))
     return head + "fused Triton kernels (" + ("verified" if verified else
-                                              f"UNVERIFIED on this GPU; {verified_paths.HOW_TO_VERIFY}") + ")"
+                                              f"UNVERIFIED on this GPU; {kernel_record.HOW_TO_VERIFY}") + ")"
 
 
 def clear_decisions() -> None:

@@ -94,7 +94,7 @@ def recompute_backward_bytes(cfg: ModelConfig, batch: int, seq: int, bytes_per_v
 
 def fused_updates_modelled(cfg: ModelConfig) -> bool:
     """Whether the estimate counts TAPE's fused E updates (model/tape_fused.py): only model.tape_fused_updates=true.
-    `auto` resolves per GPU against the verified-paths record, so the estimate keeps eager's larger figure for it."""
+    `auto` resolves per GPU against the kernel record, so the estimate keeps eager's larger figure for it."""
     return cfg.pe == "tape" and cfg.tape_fused_updates is True
 
 

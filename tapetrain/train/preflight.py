@@ -97,8 +97,8 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
 def attention_plan_lines(model_config: ModelConfig, precision: str, document_mask: bool,
                          device: torch.device | None = None) -> list[str]:
     """One line per kind of layer: the attention backend `model.attn_backend` resolves to on this machine's device,
-    and whether that path is verified on it (tapetrain/model/verified_paths.py)."""
-    from tapetrain.model import verified_paths
+    and whether that path is verified on it (tapetrain/model/kernel_record.py)."""
+    from tapetrain.model import kernel_record
     from tapetrain.model.attention import choose_backend, gpu_path
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -120,12 +120,12 @@ def attention_plan_lines(model_config: ModelConfig, precision: str, document_mas
         else:
             if device.type != "cuda":
                 state = "CPU: PyTorch's own or the CPU-tested path"
-            elif backend in verified_paths.FALLBACKS["attention"]:
+            elif backend in kernel_record.FALLBACKS["attention"]:
                 state = "PyTorch's own kernel (the fallback)"
             else:
                 path = gpu_path(backend, device, dtype, has_e=has_e, has_docs=document_mask, gqa=gqa)
-                state = "verified" if verified_paths.is_verified(path) else \
-                    f"UNVERIFIED on this GPU; {verified_paths.HOW_TO_VERIFY}"  # fmt: skip
+                state = "verified" if kernel_record.is_verified(path) else \
+                    f"UNVERIFIED on this GPU; {kernel_record.HOW_TO_VERIFY}"  # fmt: skip
         what = "layers carrying TAPE's E" if has_e else "layers without E"
         span = f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
         lines.append(f"  {what} ({span}): {backend} ({state})")

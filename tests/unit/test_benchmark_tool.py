@@ -251,7 +251,7 @@ def test_every_mode_takes_its_header_from_report_header() -> None:
     package = REPO / "tapetrain" / "bench"
     own = {"mode", "date", "machine", "versions"}  # the header's fields; "device" also names raw per-rank records
     for path in sorted(package.glob("*.py")):
-        if path.name in ("header.py", "verified_record.py"):  # verified_record: GPU test campaigns, no report
+        if path.name in ("header.py", "campaign_record.py"):  # campaign_record: GPU test campaigns, no report
             continue
         calls, keys = _calls_and_keys(path)
         assert not own & keys, f"{path.name} writes header fields itself: {sorted(own & keys)}"

@@ -130,7 +130,7 @@ def test_flash_varlen_matches_eager_with_documents(with_e: bool, verifies):
 def test_flex_gradients_match_eager_with_documents(dtype: torch.dtype, with_e: bool, verifies):
     """fp32: within 1e-4 of eager. bf16: at most twice eager-bf16's own error against eager fp32."""
     from tapetrain.model.flex import flex_document_attention
-    from tapetrain.model.verified_paths import DTYPE_NAMES
+    from tapetrain.model.kernel_record import DTYPE_NAMES
 
     verifies(kind="attention", backend="flex", dtypes=[DTYPE_NAMES[dtype]], e=with_e, docs=True, gqa=False)
     docs = DocumentMask.of(torch.stack([_ids([300, 40, 172]), _ids([100, 412])]).cuda())

@@ -29,7 +29,7 @@ def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
     proc = _check(str(tmp_path / "out"), "--dry-run")
     assert proc.returncode == 0, proc.stderr
     planned = _planned(proc.stdout)
-    assert planned[:6] == ["install", "env", "gpu-tests-first", "gpu-tests", "verified-paths", "train-1b-compile"]
+    assert planned[:6] == ["install", "env", "gpu-tests-first", "gpu-tests", "kernel-record", "train-1b-compile"]
     assert "budget 540s" in proc.stdout and "] skipped: its estimate" in proc.stdout
     assert "-m 'gpu or verifies'" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
     every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)

@@ -20,7 +20,7 @@ from tapetrain.kernels import tape_attention as kernel_mod  # noqa: E402
 from tapetrain.kernels.tape_attention import tape_attention  # noqa: E402
 from tapetrain.model import attention as attn_mod  # noqa: E402
 from tapetrain.model.attention import eager_attention  # noqa: E402
-from tapetrain.model.verified_paths import DTYPE_NAMES  # noqa: E402
+from tapetrain.model.kernel_record import DTYPE_NAMES  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = torch.device("cuda" if CUDA else "cpu")

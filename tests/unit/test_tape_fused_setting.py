@@ -1,4 +1,4 @@
-"""model.tape_fused_updates (auto | true | false): what it resolves to against the verified-paths record, the
+"""model.tape_fused_updates (auto | true | false): what it resolves to against the kernel record, the
 refusal of `true` where the kernels cannot run, the warning on an unverified GPU, and --print-config's line. No GPU
 here: the CUDA device's capability is set per test (monkeypatch); the record and the choice logic are the real ones.
 The kernels themselves are tested in tests/unit/test_kernel_tape_*.py and, end to end in a model, in
@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from tapetrain.bench.verified_record import merge_campaign, record_from_junit
+from tapetrain.bench.campaign_record import merge_campaign, record_from_junit
 from tapetrain.errors import ConfigError
-from tapetrain.model import preset_config, tape_fused, verified_paths
+from tapetrain.model import kernel_record, preset_config, tape_fused
 from tapetrain.model.compile_constant import constant_to_compile
 from tapetrain.train.preflight import attention_plan_lines
 from tapetrain.train.start_checks import check_fused_updates
@@ -38,11 +38,11 @@ def record(tmp_path, monkeypatch):
     campaign = record_from_junit([xml], device="NVIDIA H100 80GB HBM3", capability="9.0", date="2026-11-27",
                                  versions={"torch": "2.11.0"})
     merge_campaign(tmp_path / "record.json", campaign)
-    monkeypatch.setenv(verified_paths.RECORD_ENV, str(tmp_path / "record.json"))
-    verified_paths.clear_cache()
+    monkeypatch.setenv(kernel_record.RECORD_ENV, str(tmp_path / "record.json"))
+    kernel_record.clear_cache()
     tape_fused.clear_decisions()
     yield
-    verified_paths.clear_cache()
+    kernel_record.clear_cache()
     tape_fused.clear_decisions()
 
 
@@ -69,7 +69,7 @@ def test_auto_is_eager_on_cpu_even_with_the_interpreter(record, monkeypatch):
 
 def test_true_on_an_unverified_gpu_runs_with_one_warning(record, monkeypatch, caplog):
     fake_gpu(monkeypatch, (8, 0))
-    verified_paths._warned.clear()
+    kernel_record._warned.clear()
     with caplog.at_level(logging.WARNING, logger="tapetrain.model"):
         assert tape_fused.use_fused_updates(True, CUDA, torch.bfloat16)
         tape_fused.clear_decisions()
@@ -119,11 +119,11 @@ def test_the_setting_changes_how_not_what_so_a_resume_may_change_it():
 
 
 def test_the_first_decision_inside_a_compiled_region_breaks_no_graph(record, monkeypatch):
-    """On a GPU the first TAPE layer call resolves `auto` inside the compiled layer: it reads the verified-paths
+    """On a GPU the first TAPE layer call resolves `auto` inside the compiled layer: it reads the kernel-record
     record (a file), which torch.compile cannot trace. The decision is a constant to it instead (no graph break),
     and it is the record's answer. (Fake sm_90 GPU; the function decides for a "cuda" device it never touches.)"""
     fake_gpu(monkeypatch, (9, 0))
-    verified_paths.clear_cache()
+    kernel_record.clear_cache()
 
     def step(x: torch.Tensor) -> torch.Tensor:
         fused = tape_fused._resolve("auto", "cuda", None, torch.bfloat16)

@@ -1,11 +1,11 @@
-"""The verified-paths record that `auto` consults (tapetrain/model/verified_paths.py).
+"""The kernel record that `auto` consults (tapetrain/model/kernel_record.py).
 
-    python tools/verified_paths.py from-junit OUT/gpu-tests.xml --out OUT/verified-paths.json   # on the GPU
-    python tools/verified_paths.py merge OUT/verified-paths.json [--source docs/benchmarks/gpu/DIR/gpu-tests.xml]
-    python tools/verified_paths.py show
+    python tools/kernel_record.py from-junit OUT/gpu-tests.xml --out OUT/kernel-record.json   # on the GPU
+    python tools/kernel_record.py merge OUT/kernel-record.json [--source docs/benchmarks/gpu/DIR/gpu-tests.xml]
+    python tools/kernel_record.py show
 
 `from-junit` runs on the GPU machine right after the gpu-marked tests (it reads the device, its capability and the
-versions there); `merge` adds that campaign to tapetrain/model/verified_paths.json (commit it); `show` prints what
+versions there); `merge` adds that campaign to tapetrain/model/kernel_record.json (commit it); `show` prints what
 the committed record verifies.
 """
 
@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from tapetrain.bench.verified_record import merge_campaign, record_from_junit
-from tapetrain.model import verified_paths
+from tapetrain.bench.campaign_record import merge_campaign, record_from_junit
+from tapetrain.model import kernel_record
 
 
 def _versions() -> dict[str, str]:
@@ -45,7 +45,7 @@ def from_junit(xml: list[Path], out: Path, date: str) -> dict:
         print(f"not found (its tests verify nothing): {', '.join(map(str, missing))}", file=sys.stderr)
         xml = [p for p in xml if p.exists()]
     campaign = record_from_junit(xml, device=torch.cuda.get_device_name(device),
-                                 capability=verified_paths.capability_of(device), date=date, versions=_versions(),
+                                 capability=kernel_record.capability_of(device), date=date, versions=_versions(),
                                  source=", ".join(p.name for p in xml))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(campaign, indent=1) + "\n")
@@ -53,7 +53,7 @@ def from_junit(xml: list[Path], out: Path, date: str) -> dict:
 
 
 def show() -> None:
-    for campaign in verified_paths.campaigns():
+    for campaign in kernel_record.campaigns():
         print(f"{campaign['date']}  {campaign['device']} (sm_{campaign['capability'].replace('.', '')})  "
               f"{', '.join(f'{k} {v}' for k, v in campaign['versions'].items())}")
         for entry in campaign["paths"]:
@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("xml", nargs="+", type=Path, help="junit XML of pytest -m gpu")
     p.add_argument("--out", type=Path, required=True, help="campaign record to write (JSON)")
     p.add_argument("--date", default=datetime.date.today().isoformat(), help="campaign date (default today)")
-    p = sub.add_parser("merge", help="add a campaign record to tapetrain/model/verified_paths.json")
-    p.add_argument("campaign", type=Path, help="the verified-paths.json a campaign wrote")
+    p = sub.add_parser("merge", help="add a campaign record to tapetrain/model/kernel_record.json")
+    p.add_argument("campaign", type=Path, help="the kernel-record.json a campaign wrote")
     p.add_argument("--source", help="where the campaign's evidence is committed (replaces its 'source')")
-    p.add_argument("--record", type=Path, default=verified_paths.RECORD_FILE, help="record to merge into")
+    p.add_argument("--record", type=Path, default=kernel_record.RECORD_FILE, help="record to merge into")
     sub.add_parser("show", help="print what the record verifies")
     args = parser.parse_args(argv)
     if args.command == "from-junit":

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tapetrain.bench.verified_record import merge_campaign, record_from_junit
-from tapetrain.model import attention, loss, verified_paths
+from tapetrain.bench.campaign_record import merge_campaign, record_from_junit
+from tapetrain.model import attention, kernel_record, loss
 from tapetrain.model.attention import choose_backend
 from tapetrain.model.config import ATTN_BACKENDS, LOSS_BACKENDS
 
@@ -47,10 +47,10 @@ def record(tmp_path, monkeypatch):
                                  versions={"torch": "2.11.0"})
     path = tmp_path / "record.json"
     merge_campaign(path, campaign)
-    monkeypatch.setenv(verified_paths.RECORD_ENV, str(path))
-    verified_paths.clear_cache()
+    monkeypatch.setenv(kernel_record.RECORD_ENV, str(path))
+    kernel_record.clear_cache()
     yield path
-    verified_paths.clear_cache()
+    kernel_record.clear_cache()
 
 
 def fake_gpu(monkeypatch, capability=(8, 0), installed=("triton",)):
@@ -90,8 +90,8 @@ def test_auto_picks_only_what_passed_on_this_capability(record, monkeypatch):
 def test_an_empty_record_leaves_auto_on_pytorch_kernels(tmp_path, monkeypatch):
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({"schema": 1, "campaigns": []}))
-    monkeypatch.setenv(verified_paths.RECORD_ENV, str(empty))
-    verified_paths.clear_cache()
+    monkeypatch.setenv(kernel_record.RECORD_ENV, str(empty))
+    kernel_record.clear_cache()
     fake_gpu(monkeypatch, (8, 0), installed=("triton", "flash", "flex"))
     for has_e in (True, False):
         for docs in (True, False):
@@ -153,7 +153,7 @@ def test_a_verifies_mark_reaches_the_junit_properties(request, verifies):
 
 
 def test_the_committed_record_names_real_paths():
-    record = json.loads(Path(verified_paths.RECORD_FILE).read_text())
+    record = json.loads(Path(kernel_record.RECORD_FILE).read_text())
     for campaign in record["campaigns"]:
         assert {"device", "capability", "date", "versions", "paths"} <= set(campaign)
         for path in campaign["paths"]:

@@ -4,8 +4,8 @@ A *path* is one way a computation runs: (kind, backend, GPU capability, dtype, f
 (features: `e` = TAPE's state as extra values, `docs` = document mask, `gqa` = fewer key than query heads), "loss"
 (the fused linear cross-entropy) and "tape_update" (TAPE's fused E updates, model/tape_fused.py). The GPU campaign
 (`make gpu-check`) runs the gpu-marked tests; each test declares what it verifies with `@pytest.mark.verifies(...)`,
-and `tapetrain.bench.verified_record` turns the junit XML into a campaign record. Committed campaigns live in
-`verified_paths.json` next to this file (`tools/verified_paths.py merge` adds one).
+and `tapetrain.bench.campaign_record` turns the junit XML into a campaign record. Committed campaigns live in
+`kernel_record.json` next to this file (`tools/kernel_record.py merge` adds one).
 
 `auto` picks a fused path (Triton, flash-attn, FlexAttention, liger) only where the newest campaign on that GPU
 capability that tested it saw it pass; otherwise it falls back to PyTorch's own kernels (SDPA, the chunked loss).
@@ -25,16 +25,16 @@ import torch
 
 log = logging.getLogger("tapetrain.model")
 
-RECORD_FILE = Path(__file__).with_name("verified_paths.json")
-RECORD_ENV = "TAPETRAIN_VERIFIED_PATHS"  # another record (a test's, or a cluster's own campaign)
+RECORD_FILE = Path(__file__).with_name("kernel_record.json")
+RECORD_ENV = "TAPETRAIN_KERNEL_RECORD"  # another record (a test's, or a cluster's own campaign)
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # Always available to auto as the fallback: PyTorch's own kernels. They are recorded too when a campaign tests them.
 FALLBACKS = {"attention": ("sdpa", "eager"), "loss": ("chunked", "plain"), "tape_update": ("eager",)}
-HOW_TO_VERIFY = "run `make gpu-check` on this kind of GPU and commit its verified-paths.json (docs/performance.md)"
+HOW_TO_VERIFY = "run `make gpu-check` on this kind of GPU and commit its kernel-record.json (docs/performance.md)"
 
 
 @dataclass(frozen=True)
-class GpuPath:
+class KernelKey:
     kind: str  # "attention" | "loss" | "tape_update"
     backend: str
     capability: str  # "9.0" (H100, H200), "8.0" (A100), ...
@@ -66,16 +66,16 @@ def _load(path: str) -> tuple[dict, ...]:
     except FileNotFoundError:
         return ()
     except json.JSONDecodeError as err:
-        raise ValueError(f"verified-paths record {path} is not valid JSON ({err}); restore it from git") from err
+        raise ValueError(f"kernel record {path} is not valid JSON ({err}); restore it from git") from err
     return tuple(data.get("campaigns", ()))
 
 
 def campaigns() -> tuple[dict, ...]:
-    """The committed campaigns, or those of $TAPETRAIN_VERIFIED_PATHS."""
+    """The committed campaigns, or those of $TAPETRAIN_KERNEL_RECORD."""
     return _load(os.environ.get(RECORD_ENV) or str(RECORD_FILE))
 
 
-def status(path: GpuPath) -> tuple[bool | None, dict | None]:
+def status(path: KernelKey) -> tuple[bool | None, dict | None]:
     """(passed, campaign) from the newest campaign on this capability that tested `path`; (None, None) when none did."""
     key = asdict(path)
     for campaign in sorted(campaigns(), key=lambda c: c.get("date", ""), reverse=True):
@@ -87,14 +87,14 @@ def status(path: GpuPath) -> tuple[bool | None, dict | None]:
     return None, None
 
 
-def is_verified(path: GpuPath) -> bool:
+def is_verified(path: KernelKey) -> bool:
     return status(path)[0] is True
 
 
-_warned: set[GpuPath] = set()
+_warned: set[KernelKey] = set()
 
 
-def warn_if_unverified(path: GpuPath) -> None:
+def warn_if_unverified(path: KernelKey) -> None:
     """One warning line per process and path when a path named explicitly has not passed on this kind of GPU."""
     if path in _warned or path.backend in FALLBACKS[path.kind] or torch.compiler.is_compiling():
         return
@@ -109,6 +109,6 @@ def warn_if_unverified(path: GpuPath) -> None:
 
 
 def clear_cache() -> None:
-    """Forget the loaded record (after a merge, or a test that points $TAPETRAIN_VERIFIED_PATHS elsewhere)."""
+    """Forget the loaded record (after a merge, or a test that points $TAPETRAIN_KERNEL_RECORD elsewhere)."""
     _load.cache_clear()
     _warned.clear()

@@ -1,4 +1,4 @@
-"""The GPU campaign's side of the verified-paths record (tapetrain.model.verified_paths): a campaign record from
+"""The GPU campaign's side of the kernel record (tapetrain.model.kernel_record): a campaign record from
 the junit XML of the gpu-marked tests, and merging it into the committed record."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tapetrain.bench.report import write_json_atomic
-from tapetrain.model import verified_paths
-from tapetrain.model.verified_paths import GpuPath
+from tapetrain.model import kernel_record
+from tapetrain.model.kernel_record import KernelKey
 
 
 def _outcome(case: ET.Element) -> str:
@@ -32,7 +32,7 @@ def record_from_junit(xml_paths: Iterable[Path], *, device: str, capability: str
                       source: str = "") -> dict:
     """One campaign: every path some test claims (`verifies` properties), passed when at least one claiming test
     passed and none failed. Skipped tests verify nothing. Each path lists its tests and their outcomes."""
-    tests: dict[GpuPath, list[tuple[str, str]]] = {}
+    tests: dict[KernelKey, list[tuple[str, str]]] = {}
     for xml_path in xml_paths:
         for case in ET.parse(xml_path).getroot().iter("testcase"):
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
@@ -40,7 +40,7 @@ def record_from_junit(xml_paths: Iterable[Path], *, device: str, capability: str
             for claim in _claims(case):
                 dtypes = claim.pop("dtypes", None) or [claim.pop("dtype", "bf16")]
                 for dt in dtypes:
-                    path = GpuPath(capability=capability, dtype=dt, **claim)
+                    path = KernelKey(capability=capability, dtype=dt, **claim)
                     tests.setdefault(path, []).append((name, outcome))
     paths = []
     for path, results in sorted(tests.items(), key=lambda item: repr(item[0])):
@@ -61,5 +61,5 @@ def merge_campaign(record_file: Path, campaign: dict) -> dict:
     kept = [c for c in record["campaigns"] if (c["device"], c["date"]) != (campaign["device"], campaign["date"])]
     record["campaigns"] = sorted([*kept, campaign], key=lambda c: (c["date"], c["device"]))
     write_json_atomic(record_file, record)
-    verified_paths.clear_cache()
+    kernel_record.clear_cache()
     return record
