@@ -117,22 +117,14 @@ class PeakMemory:
             self.gb = (peak - self._base_kib) / 2**20 if peak is not None else None
 
 
-def forget_attention_choices() -> None:
-    """Start a measurement with an empty log of attention-backend choices (see attention_backends_ran)."""
-    from tapetrain.model import attention, tape_fused
+def attention_backends_ran(models: list[torch.nn.Module], device: torch.device) -> dict[str, Any]:
+    """What the measured models ran, from their execution plans (model/execution_plan.py): the attention backends
+    (e.g. cuDNN SDPA or Triton on Hopper), whether TAPE's E updates were fused, and on CPU from how many keys SDPA
+    splits TAPE's values into two calls."""
+    from tapetrain.model import attention
+    from tapetrain.model.execution_plan import paths_ran
 
-    attention._logged_choices.clear()
-    tape_fused.clear_decisions()
-
-
-def attention_backends_ran(device: torch.device) -> dict[str, Any]:
-    """What attention actually ran since forget_attention_choices(): the backends `auto` resolved to (e.g. cuDNN
-    SDPA or Triton on Hopper) and, on CPU, from how many keys SDPA splits TAPE's values into two calls."""
-    from tapetrain.model import attention, tape_fused
-
-    ran: dict[str, Any] = {"backends": sorted({key[1] for key in attention._logged_choices})}
-    # TAPE's E updates: "fused" when model.tape_fused_updates resolved to the Triton kernels, "eager" otherwise
-    ran["tape_updates"] = sorted({"fused" if on else "eager" for on in tape_fused._decisions.values()})
+    ran: dict[str, Any] = paths_ran([model.plan for model in models])
     if device.type == "cpu":
         ran["cpu_sdpa_two_calls_from_keys"] = attention.CPU_TWO_CALLS_FROM_KEYS
     return ran

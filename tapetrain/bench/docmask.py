@@ -27,6 +27,7 @@ from tapetrain.bench.header import report_header
 from tapetrain.bench.pairs import MAX_WARMUP_ROUNDS, MIN_HEADLINE_PAIRS, pairs_header, spread
 from tapetrain.bench.report import format_table, pyplot
 from tapetrain.bench.steps import PlainOptimizer, build_model, interleaved_steps, random_batches, steady_warmup
+from tapetrain.model.execution_plan import place_model
 
 VARIANTS = ("no_mask", "mask")
 
@@ -90,7 +91,7 @@ def make_step(
 ) -> Callable[[torch.Tensor], float]:
     """A fresh model (same seed, same weights for both variants) and its optimizer: `step(ids) -> loss`."""
     model = build_model(s.preset, s.pe, s.seq_len, backend=s.backend, overrides=s.overrides, seed=s.seed)
-    model.to(device=device, dtype=DTYPES[s.dtype]).train()
+    place_model(model, device, DTYPES[s.dtype], documents=doc_ids is not None).train()
     opt = PlainOptimizer(model)
     extra = {} if doc_ids is None else {"doc_ids": doc_ids}
 
@@ -104,15 +105,11 @@ def make_step(
     return step
 
 
-def backends_ran() -> dict[str, list[str]]:
-    """{variant: the backends `auto` (or the request) resolved to}, from the model's log of its choices, whose
-    key says whether the call had a document mask."""
-    from tapetrain.model import attention
+def backends_ran(steps: dict) -> dict[str, list[str]]:
+    """{variant: the attention backends its model's execution plan runs (with the document mask for "mask")}."""
+    from tapetrain.model.execution_plan import paths_ran
 
-    ran: dict[str, set[str]] = {name: set() for name in VARIANTS}
-    for _, choice, _, _, _, has_docs, *_ in attention._logged_choices:
-        ran["mask" if has_docs else "no_mask"].add(choice)
-    return {name: sorted(choices) for name, choices in ran.items()}
+    return {name: paths_ran([steps[name].model.plan], documents=name == "mask")["backends"] for name in VARIANTS}
 
 
 def run_docmask_benchmark(s: DocmaskSettings, progress: bool = True) -> dict:
@@ -134,7 +131,7 @@ def run_docmask_benchmark(s: DocmaskSettings, progress: bool = True) -> dict:
         "n_layers": steps["mask"].model.cfg.n_layers,
         "load": {"before": load_before, "after": os.getloadavg()},
         "device": device_name(device),
-        "backends": backends_ran(),
+        "backends": backends_ran(steps),
         "lengths": lengths,
     }
     return summarise(s, raw)

@@ -17,7 +17,6 @@ from tapetrain.bench.common import (
     PeakMemory,
     attention_backends_ran,
     device_name,
-    forget_attention_choices,
     release_memory,
 )
 from tapetrain.bench.header import report_header
@@ -35,6 +34,7 @@ from tapetrain.bench.steps import (
     warm_up_process,
 )
 from tapetrain.model import Transformer
+from tapetrain.model.execution_plan import place_model, resolve_plan
 from tapetrain.train.metrics import device_peak_flops
 
 ENGINE_TARGET = 0.9  # DeepSpeed tokens/s over plain PyTorch (the framework overhead should stay small)
@@ -102,15 +102,15 @@ def run_engine_benchmark(s: EngineSettings, progress: bool = True) -> dict:
     def stats(times: list[float], loss: float, model: Transformer, mem: PeakMemory) -> dict:
         return StepResult.of_model(model, times, loss, s.batch, s.seq_len, peak, mem).to_dict()
 
-    forget_attention_choices()
     warm_up_process(device, dtype)
     with PeakMemory(device) as plain_mem:  # each loop built and warmed up alone (its memory), then alternated
-        plain_model = make_model().to(device=device, dtype=dtype).train()
+        plain_model = place_model(make_model(), device, dtype).train()
         batches = random_batches(plain_model.cfg.vocab_size, s.batch, s.seq_len, device, min(s.steps, 4), 1)
         plain_fn = plain_step(plain_model, PlainOptimizer(plain_model))
         timed_steps(plain_fn, batches, device, s.warmup, 0, "plain warm-up", progress)
     with PeakMemory(device) as ds_mem:
         ds_model = make_model()  # fp32; DeepSpeed casts the module for bf16/fp16 and keeps fp32 master weights
+        ds_model.use_plan(resolve_plan(ds_model.cfg, device, dtype))
         optimizer = adamw(ds_model.parameters(), fused=device.type == "cuda")
         engine, *_ = deepspeed.initialize(model=ds_model, optimizer=optimizer, config=ds_config,
                                           dist_init_required=False)  # fmt: skip
@@ -126,7 +126,7 @@ def run_engine_benchmark(s: EngineSettings, progress: bool = True) -> dict:
     plain = stats(times["plain"], losses["plain"], plain_model, plain_mem)
     ds = stats(times["deepspeed"], losses["deepspeed"], ds_model, ds_mem)
     ratio = pair_ratios(times["plain"], times["deepspeed"])  # plain time / DeepSpeed time = DS tokens/s over plain
-    attention_ran = attention_backends_ran(device)
+    attention_ran = attention_backends_ran([plain_model, ds_model], device)
     if hasattr(engine, "destroy"):
         engine.destroy()
     del engine, ds_model, plain_model, plain_fn, batches

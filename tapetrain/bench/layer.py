@@ -14,6 +14,7 @@ from tapetrain.bench.common import DTYPES, GIB, device_name, pick_device, releas
 from tapetrain.bench.header import report_header
 from tapetrain.bench.report import bar_chart, format_table, title_suffix
 from tapetrain.bench.steps import build_model, random_batches
+from tapetrain.model.execution_plan import place_model
 
 if TYPE_CHECKING:
     from tapetrain.model.config import ModelConfig
@@ -49,7 +50,7 @@ def _forward_memory(s: LayerSettings, n_layers: int, device: torch.device) -> di
     dtype = DTYPES[s.dtype]
     model = build_model(s.preset, s.pe, s.seq_len, backend=s.backend,
                         overrides={**s.overrides, "n_layers": n_layers}, seed=s.seed)  # fmt: skip
-    model.to(device=device, dtype=dtype).train()
+    place_model(model, device, dtype).train()
     ids = random_batches(model.cfg.vocab_size, s.batch, s.seq_len, device, 1, s.seed)[0]
     release_memory(device)
     cuda = device.type == "cuda"
@@ -72,15 +73,14 @@ def _forward_memory(s: LayerSettings, n_layers: int, device: torch.device) -> di
 
 
 def _attention_that_ran(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seq: int) -> tuple[str, str]:
-    """(backend, path): the backend attention.choose_backend gives the measured layer (layer 1 of 3, which carries
+    """(backend, path): the backend the execution plan gives the measured layer (layer 1 of 3, which carries
     TAPE's E) on this device, and the path memory.layer_activation_bytes models for it."""
-    from tapetrain.model.attention import choose_backend
+    from tapetrain.model.execution_plan import resolve_plan
     from tapetrain.train.memory import attention_path
 
-    carries_e = cfg.updates_tape_state(1) and cfg.tape_attn_update
-    has_bias = cfg.pe in ("alibi", "fire")
-    backend = choose_backend(cfg.attn_backend, device=device, dtype=dtype, has_bias=has_bias, has_e=carries_e)
-    return backend, attention_path(backend, device.type, seq, carries_e)
+    layer = resolve_plan(cfg, device, dtype).layers[1]
+    backend = layer.attention.plain
+    return backend, attention_path(backend, device.type, seq, layer.carries_e)
 
 
 def run_layer_benchmark(s: LayerSettings, progress: bool = True) -> dict:

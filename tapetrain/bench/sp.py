@@ -46,6 +46,7 @@ from tapetrain.bench.pairs import MIN_HEADLINE_PAIRS, pairs_header, rotated, spr
 from tapetrain.bench.report import format_table, pyplot
 from tapetrain.bench.steps import build_model, random_batches
 from tapetrain.model import POSITIONAL_ENCODINGS, Transformer
+from tapetrain.model.execution_plan import place_model
 
 log = logging.getLogger("tapetrain.bench")
 
@@ -175,7 +176,7 @@ def build_variants(s: SpSettings, shard: Any) -> list[Variant]:
     for sp in (1, shard.size):  # SP-major, [pe sp1 ..., pe spN ...]: rotating it balances each pair's order
         for pe in s.pe_list:
             model = build_model(s.preset, pe, s.seq_len, backend=s.backend, overrides=s.overrides, seed=s.seed)
-            model.to(dtype=DTYPES[s.dtype]).train()
+            place_model(model, torch.device("cpu"), DTYPES[s.dtype]).train()
             ids = random_batches(model.cfg.vocab_size, s.batch, s.seq_len, torch.device("cpu"), 2, s.seed)
             batches = [(b[:, :-1], b[:, 1:]) for b in ids]  # labels shifted before slicing
             if sp > 1:
@@ -227,18 +228,16 @@ def timed_rounds(variants: list[Variant], rounds: int, progress: bool) -> dict[s
     return times
 
 
-def attention_backends_ran() -> list[str]:
-    """The backends `auto` (or the request) resolved to in this process (the model logs each choice once)."""
-    from tapetrain.model import attention
+def attention_backends_ran(variants: list[Variant]) -> list[str]:
+    """The attention backends the variants' models run (their execution plans)."""
+    from tapetrain.model.execution_plan import paths_ran
 
-    return sorted({choice for _, choice, *_ in attention._logged_choices})
+    return paths_ran([v.model.plan for v in variants])["backends"]
 
 
 def measure(s: SpSettings, shard: Any, progress: bool) -> dict[str, Any]:
     """This rank's part: saved bytes and first losses of each variant, then warm-up + timed rounds; the slowest
     rank's time per step and every rank's saved bytes are gathered (collective)."""
-    from tapetrain.model.loss import resolve_loss_backend
-
     torch.manual_seed(s.seed)
     variants = build_variants(s, shard)
     log.info("built %s (%.1fM parameters each); measuring saved bytes", ", ".join(v.name for v in variants),
@@ -248,7 +247,7 @@ def measure(s: SpSettings, shard: Any, progress: bool) -> dict[str, Any]:
     log.info("%d warm-up + %d timed rounds of %d steps", s.warmup, s.pairs, len(variants))
     times = timed_rounds(variants, s.warmup + s.pairs, progress)
     cfg = variants[0].model.cfg
-    loss_backend = resolve_loss_backend(cfg.loss_backend, torch.device("cpu"), DTYPES[s.dtype])
+    loss_backend = variants[0].model.plan.loss
     chunked = loss_backend == "chunked"
     every: list[Any] = [None] * shard.size
     torch.distributed.all_gather_object(every, {"saved": saved, "times": times})
@@ -262,7 +261,7 @@ def measure(s: SpSettings, shard: Any, progress: bool) -> dict[str, Any]:
             for v in variants
         },
         "first_loss": losses,
-        "attention_backends": attention_backends_ran(),
+        "attention_backends": attention_backends_ran(variants),
         "loss_backend": loss_backend,
         # the chunked loss computes the LM head's weight gradient (V, C) in forward and saves it: per rank, any N
         "lm_head_grad_bytes": cfg.vocab_size * cfg.d_model * DTYPES[s.dtype].itemsize if chunked else 0,

@@ -193,6 +193,8 @@ def load_run_model(
     if compile is not None:
         cfg.compile = compile
     cfg.activation_checkpointing = False
+    if cfg.tape_fused_updates is True:
+        cfg.tape_fused_updates = "auto"  # the Triton kernels may not run here; auto takes them where verified
     if cfg.loss_backend == "liger":
         cfg.loss_backend = "auto"  # liger-kernel (CUDA only) may not be installed here; auto picks it where it is
     model = Transformer(cfg)

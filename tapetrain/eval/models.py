@@ -119,6 +119,7 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
     Face model directory (transformers; trust_remote_code for tapetrain's non-RoPE exports). `compile` replaces
     the run's model.compile (None keeps it)."""
     from tapetrain.checkpoint.run_loader import is_run_or_checkpoint, load_run_model
+    from tapetrain.model.execution_plan import place_model
 
     if dtype not in DTYPES:
         raise InputError(f"--dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -128,7 +129,7 @@ def load_eval_model(path: str, dtype: str = "fp32", step: int | None = None, dev
                                 "export hf) or a run directory")
     if is_run_or_checkpoint(path):
         model, info = load_run_model(path, step, compile=compile)
-        model = model.to(device=device, dtype=DTYPES[dtype]).eval()
+        model = place_model(model, device, DTYPES[dtype]).eval()  # and its execution plan there
         name = f"{path}@step{info['step']}"
         sha = info["trainer_state"].get("tokenizer_sha256") or _file_sha256(info["tokenizer"])
         return EvalModel(model, "run", name, model.cfg.vocab_size, model.cfg.max_seq_len, info["tokenizer"],

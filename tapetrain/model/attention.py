@@ -25,8 +25,8 @@ own document (causal within it). Every backend takes it: eager/sdpa as a dense b
 FlexAttention BlockMask, triton as per-token ids, flash as cu_seqlens (flash-attn's varlen call).
 
 Backends: "eager" (the reference), "sdpa" (torch.nn.functional.scaled_dot_product_attention), "triton" (the fused
-kernel in tapetrain.kernels), "flash" (flash-attn, GPU), "flex" (FlexAttention, for document masks). "auto" picks the
-fastest one that supports the call.
+kernel in tapetrain.kernels), "flash" (flash-attn, GPU), "flex" (FlexAttention, for document masks). Which one a
+layer runs is the execution plan's decision (model/execution_plan.py), made once per process.
 """
 
 from __future__ import annotations
@@ -38,8 +38,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from tapetrain.model import kernel_record
-from tapetrain.model.compile_constant import constant_to_compile
+from tapetrain.errors import ConfigError
 from tapetrain.model.config import ATTN_BACKENDS
 from tapetrain.model.documents import DocumentMask
 from tapetrain.model.xpos import XposDecay, decayed_attention
@@ -173,16 +172,10 @@ def _flash_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None, doc
 
 
 def _flex_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs=None):
-    from tapetrain.model import flex
+    from tapetrain.model.flex import flex_document_attention_or
 
-    if flex.compile_failed:  # no compiler here: SDPA's boolean mask beats the unfused FlexAttention
-        return sdpa_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
-    try:
-        return flex.flex_document_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
-    except flex.CompileError as err:
-        flex.compile_failed = True
-        log.warning("FlexAttention could not be compiled (%s); attention with the document mask uses sdpa", err)
-        return sdpa_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
+    # where FlexAttention cannot be compiled (no C++ compiler), SDPA's boolean mask beats the unfused flex
+    return flex_document_attention_or(sdpa_attention, q, k, v, e, causal=causal, scale=scale, docs=docs)
 
 
 _IMPLS: dict[str, AttentionFn] = {
@@ -218,117 +211,7 @@ def backend_available(name: str, device: torch.device) -> bool:
         except ImportError:
             return False
         return True
-    raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTN_BACKENDS)}")
-
-
-_logged_choices: set[tuple] = set()
-
-
-def _cudnn_sdpa(device: torch.device) -> bool:
-    """SDPA runs cuDNN's fused attention here (Hopper or newer, enabled): it takes value widths other than the
-    key width at full speed, which TAPE's [V ‖ E] needs. Elsewhere SDPA would fall back to a slower kernel."""
-    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def gpu_path(backend: str, device: torch.device, dtype: torch.dtype, *, has_e: bool, has_docs: bool = False,
-             gqa: bool = False) -> kernel_record.KernelKey:
-    """The kernel-record key of one attention call on a CUDA device."""
-    return kernel_record.KernelKey("attention", backend, kernel_record.capability_of(device),
-                                  kernel_record.dtype_name(dtype), e=has_e, docs=has_docs, gqa=gqa)
-
-
-@constant_to_compile
-def _verified_here(name: str, device: torch.device, dtype: torch.dtype, has_e: bool, has_docs: bool,
-                   gqa: bool) -> bool:
-    """Installed, and (on CUDA) passed its gpu-marked tests on this GPU capability (tapetrain.model.kernel_record):
-    what `auto` needs before it picks a fused backend. A constant to torch.compile: `auto` is first resolved inside
-    a compiled layer, where reading the record (a file) cannot be traced."""
-    if not backend_available(name, device):
-        return False
-    return device.type != "cuda" or kernel_record.is_verified(gpu_path(name, device, dtype, has_e=has_e,
-                                                                         has_docs=has_docs, gqa=gqa))
-
-
-def choose_backend(requested: str, *, device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool,
-                   has_docs: bool = False, grad: bool = True, gqa: bool = False) -> str:
-    """Resolve "auto" (or validate an explicit choice) for one call site; logs each new decision once. On CUDA,
-    "auto" picks a fused backend only where the kernel record says it passed on this GPU capability."""
-    if requested not in ATTN_BACKENDS:
-        raise ValueError(f"model.attn_backend={requested!r} is not a backend; choose one of {', '.join(ATTN_BACKENDS)}")
-    if requested == "auto" and has_docs:
-        choice = _document_backend(device, dtype, has_bias, has_e, grad, gqa)
-    elif requested == "auto":
-        if device.type == "cuda" and not has_bias and dtype in (torch.float16, torch.bfloat16):
-            if has_e and _cudnn_sdpa(device):
-                # Measured on H100 (docs/benchmarks/gpu): cuDNN's attention with [V ‖ E] as 2D-wide values beats
-                # the Triton kernel forward+backward at every length, and the whole training step with it.
-                choice = "sdpa"
-            elif has_e and _verified_here("triton", device, dtype, has_e, False, gqa):
-                choice = "triton"
-            elif not has_e and _verified_here("flash", device, dtype, has_e, False, gqa):
-                choice = "flash"
-            else:
-                choice = "sdpa"
-        else:
-            choice = "sdpa"
-    else:
-        if not backend_available(requested, device):
-            raise RuntimeError(
-                f"attention backend {requested!r} is not available on {device.type} with the installed packages; "
-                "set model.attn_backend=auto (or sdpa)"
-            )
-        if requested in ("triton", "flash", "flex") and has_bias:
-            raise ValueError(
-                f"attention backend {requested!r} does not take an additive bias (alibi/fire); use sdpa or eager"
-            )
-        if requested == "flex" and has_docs and grad and device.type == "cpu":
-            raise RuntimeError("attention backend 'flex' has no backward on CPU (torch's FlexAttention); set "
-                               "model.attn_backend=auto (SDPA trains on CPU)")
-        if requested == "flex" and not has_docs:
-            choice = "sdpa"  # FlexAttention is here for document masks only; plain causal attention is SDPA's
-        else:
-            choice = requested
-        if device.type == "cuda" and not torch.compiler.is_compiling():
-            kernel_record.warn_if_unverified(gpu_path(choice, device, dtype, has_e=has_e, has_docs=has_docs, gqa=gqa))
-    # One line per distinct choice: a TAPE model's last layer (no state update, so no E) usually gets the same
-    # backend as its other layers and is not logged again.
-    key = (requested, choice, device.type, dtype, has_bias, has_docs, grad if has_docs else True)
-    if key not in _logged_choices and not torch.compiler.is_compiling():  # logging would break a compiled graph
-        _logged_choices.add(key)
-        log.info(
-            "attention backend: requested=%s -> %s (device=%s dtype=%s bias=%s%s)",
-            requested,
-            choice,
-            device.type,
-            dtype,
-            has_bias,
-            ", for layers that carry TAPE's state E as extra values" if has_e else "",
-        )
-        if has_docs:
-            log.info("attention backend with the document mask (data.document_mask): %s", choice)
-    return choice
-
-
-def _document_backend(device: torch.device, dtype: torch.dtype, has_bias: bool, has_e: bool, grad: bool,
-                      gqa: bool = False) -> str:
-    """"auto" with a document mask. GPU, 16-bit, no bias: the Triton kernel for TAPE's [V ‖ E] (it skips the key
-    tiles of other documents), flash-attn's varlen call without E, else FlexAttention. CPU, no bias: compiled
-    FlexAttention for forwards without gradients (measured 2-4.5x faster than SDPA's boolean mask, forward,
-    T = 1024..4096; docs/document-masking.md) and SDPA to train (FlexAttention has no CPU backward)."""
-    if has_bias or not backend_available("flex", device):
-        return "sdpa"
-    if device.type == "cuda":
-        half = dtype in (torch.float16, torch.bfloat16)
-        if half and has_e and _verified_here("triton", device, dtype, has_e, True, gqa):
-            return "triton"
-        if half and not has_e and _verified_here("flash", device, dtype, has_e, True, gqa):
-            return "flash"
-        # FlexAttention compiles its own kernel: like the others, only once verified here; SDPA's boolean mask is
-        # the fallback (slower, PyTorch's own).
-        return "flex" if _verified_here("flex", device, dtype, has_e, True, gqa) else "sdpa"
-    return "sdpa" if grad else "flex"
+    raise ConfigError(f"model.attn_backend={name!r} is not a backend; choose one of {', '.join(ATTN_BACKENDS)}")
 
 
 def shifted_sparse_attention(
@@ -369,21 +252,21 @@ def attention(
     causal: bool = True,
     scale: float | None = None,
     bias: torch.Tensor | None = None,
-    backend: str = "auto",
+    backend: str = "sdpa",
     decay: XposDecay | None = None,
     docs: DocumentMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Dispatch to a backend. Returns (A·V, A·E or None); see the module docstring for shapes. `decay`: xPos,
-    applied query block by block (tapetrain.model.xpos) around this same dispatch. `docs`: the document mask."""
+    """Run `backend` (a name the execution plan chose, model/execution_plan.py; "auto" is resolved there, once,
+    not per call). Returns (A·V, A·E or None); see the module docstring for shapes. `decay`: xPos, applied query
+    block by block (tapetrain.model.xpos) around this same dispatch. `docs`: the document mask."""
     if decay is not None:
         def attend(*args, **kwargs):
             return attention(*args, scale=scale, backend=backend, **kwargs)
 
         return decayed_attention(q, k, v, e, decay, attend, causal=causal, bias=bias, docs=docs)
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, e, bias))
-    gqa = len({q.shape[1], k.shape[1], v.shape[1]}) > 1  # fewer key or value heads than query heads
-    name = choose_backend(backend, device=q.device, dtype=q.dtype, has_bias=bias is not None, has_e=e is not None,
-                          has_docs=docs is not None, grad=grad, gqa=gqa)
+    if backend not in _IMPLS:
+        raise ValueError(f"attention backend {backend!r} is not a backend attention() runs: choose one of "
+                         f"{', '.join(_IMPLS)} ('auto' is resolved once, by tapetrain.model.execution_plan)")
     if docs is None:  # today's calls, unchanged
-        return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias)
-    return _IMPLS[name](q, k, v, e, causal=causal, scale=scale, bias=bias, docs=docs)
+        return _IMPLS[backend](q, k, v, e, causal=causal, scale=scale, bias=bias)
+    return _IMPLS[backend](q, k, v, e, causal=causal, scale=scale, bias=bias, docs=docs)

@@ -194,6 +194,15 @@ class ModelConfig:
             return False
         return self.tape_layers is None or layer in self.tape_layers
 
+    def carries_e(self, layer: int) -> bool:
+        """Whether layer `layer`'s attention carries TAPE's E as extra value channels ([V ‖ E], one softmax): a layer
+        that updates E with the attention-side update (model.tape_attn_update)."""
+        return self.e_in_attention(self.updates_tape_state(layer))
+
+    def e_in_attention(self, updates_state: bool) -> bool:
+        """`carries_e` for a layer that does (or does not) update E: the memory model's per-kind-of-layer terms."""
+        return self.pe == "tape" and updates_state and self.tape_attn_update
+
     @property
     def shift_invariant(self) -> bool:
         """Whether logits are unchanged by a global position offset (what train.random_position_offset needs).

@@ -11,11 +11,14 @@ forwards without gradients (evaluation), where it measured 2-4.5x faster than SD
 from __future__ import annotations
 
 import functools
+import logging
 import math
 
 import torch
 
 from tapetrain.model.documents import DocumentMask
+
+log = logging.getLogger(__name__)
 
 
 def flex_available() -> bool:
@@ -24,9 +27,6 @@ def flex_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-compile_failed = False  # set by the attention dispatch after a CompileError: it then uses SDPA
 
 
 class CompileError(RuntimeError):
@@ -110,6 +110,22 @@ def flex_document_attention(
     if e is None:
         return out, None
     return out[..., :dv], out[..., dv:]
+
+
+_compile_failed = False  # once torch.compile of flex_attention failed in this process, never tried again
+
+
+def flex_document_attention_or(fallback, q, k, v, e=None, *, causal=True, scale=None, docs=None):
+    """flex_document_attention, or `fallback` (same arguments) where FlexAttention cannot be compiled here (e.g. no
+    C++ compiler for CPU code): the unfused FlexAttention would be slower than the fallback's boolean mask."""
+    global _compile_failed
+    if not _compile_failed:
+        try:
+            return flex_document_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
+        except CompileError as err:
+            _compile_failed = True
+            log.warning("FlexAttention could not be compiled (%s); attention with the document mask uses sdpa", err)
+    return fallback(q, k, v, e, causal=causal, scale=scale, docs=docs)
 
 
 BLOCK = 128

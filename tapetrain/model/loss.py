@@ -200,7 +200,8 @@ def linear_cross_entropy(
         raise ValueError(f"reduction={reduction!r}; choose 'mean' or 'sum'")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(f"labels {tuple(labels.shape)} do not match the hidden states {tuple(hidden.shape[:-1])}")
-    backend = resolve_loss_backend(backend, hidden.device, hidden.dtype)
+    if backend == "auto":  # a caller without an execution plan (the model's LMHead is handed the plan's choice)
+        backend = resolve_loss_backend(backend, hidden.device, hidden.dtype)
     hidden, labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, C), (N,)
     if backend == "plain" and reduction == "sum":
         return F.cross_entropy(upcast(hidden @ weight.t()), labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from tapetrain.model.positions import rotate_pairs
-from tapetrain.model.tape_fused import use_fused_updates
 
 
 def rotate_by_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
@@ -27,13 +26,13 @@ def rotate_by_state(x: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
 
 
 def rotate_qk_by_state(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor,
-                       fused: bool | str = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, T, H, D), k (B, T, Hkv, D), E (B, T, H, D) -> q̃, k̃ both (B, T, H, D) token-major.
 
     E is per query head, so keys are expanded to the query heads before their rotation (GQA memory cost: H/Hkv).
-    `fused` = model.tape_fused_updates: the fused kernel reads q, k and E once and never materialises the
-    expanded keys' input copy."""
-    if use_fused_updates(fused, q.device, q.dtype):
+    `fused` (the execution plan's decision for model.tape_fused_updates): the fused kernel reads q, k and E once
+    and never materialises the expanded keys' input copy."""
+    if fused:
         from tapetrain.kernels.tape_rotation import tape_rotate_qk  # lazy: triton is optional
 
         return tape_rotate_qk(q, k, state)
@@ -88,13 +87,13 @@ class TapeMlpUpdate(nn.Module):
 
 
 class TapeHeadMixWithKernels(TapeHeadMix):
-    """TapeHeadMix that runs as the fused Triton kernel where model.tape_fused_updates resolves on (tape_fused.py).
+    """TapeHeadMix that runs as the fused Triton kernel where the execution plan says so (model/execution_plan.py).
     Same parameters and names; the eager class stays the verbatim copy the Hugging Face remote code carries."""
 
-    fused: bool | str = False  # model.tape_fused_updates, set after construction (no __init__ of its own: ZeRO-3)
+    fused: bool = False  # the plan's decision, set by Transformer.use_plan (no __init__ of its own: ZeRO-3)
 
     def forward(self, state: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        if not use_fused_updates(self.fused, state.device, state.dtype):
+        if not self.fused:
             return super().forward(state, attended)
         from tapetrain.kernels.tape_head_mix import tape_head_mix  # lazy: triton is optional
 
@@ -102,12 +101,12 @@ class TapeHeadMixWithKernels(TapeHeadMix):
 
 
 class TapeMlpUpdateWithKernels(TapeMlpUpdate):
-    """TapeMlpUpdate that runs as the fused Triton kernel where model.tape_fused_updates resolves on."""
+    """TapeMlpUpdate that runs as the fused Triton kernel where the execution plan says so."""
 
-    fused: bool | str = False  # model.tape_fused_updates, set after construction (no __init__ of its own: ZeRO-3)
+    fused: bool = False  # the plan's decision, set by Transformer.use_plan (no __init__ of its own: ZeRO-3)
 
     def forward(self, state: torch.Tensor, mlp_out: torch.Tensor) -> torch.Tensor:
-        if not use_fused_updates(self.fused, state.device, state.dtype):
+        if not self.fused:
             return super().forward(state, mlp_out)
         from tapetrain.kernels.tape_mlp_update import tape_mlp_update  # lazy: triton is optional
 

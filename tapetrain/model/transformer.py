@@ -30,6 +30,7 @@ from tapetrain.model.attention import attention, shifted_sparse_attention
 from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
 from tapetrain.model.documents import DocumentMask
+from tapetrain.model.execution_plan import AttentionPlan, ExecutionPlan, portable_plan
 from tapetrain.model.fire import FireBias
 from tapetrain.model.loss import LMHead, cross_entropy
 from tapetrain.model.positions import PositionalEncoding, PositionContext
@@ -80,13 +81,8 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _with_setting(module: nn.Module, cfg: ModelConfig) -> nn.Module:
-    module.fused = cfg.tape_fused_updates  # model.tape_fused_updates (model/tape_fused.py)
-    return module
-
-
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, updates_state: bool):
+    def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg = cfg
         self.n_heads, self.n_kv, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
@@ -98,11 +94,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         self.scale = cfg.attention_scale  # None = 1/√D; YaRN/LongRoPE's temperature, on the logits only
-        self.tape_mix = (
-            _with_setting(TapeHeadMixWithKernels(cfg.n_heads, cfg.tape_head_mix), cfg)
-            if cfg.pe == "tape" and cfg.tape_attn_update and updates_state
-            else None
-        )
+        self.tape_mix = TapeHeadMixWithKernels(cfg.n_heads, cfg.tape_head_mix) if cfg.carries_e(layer) else None
+        # What the execution plan decided for this layer (Transformer.use_plan): plain names, never re-derived.
+        self.backends = AttentionPlan("sdpa", "sdpa", "sdpa")
+        self.fused_updates = False
 
     def forward(
         self,
@@ -122,23 +117,26 @@ class Attention(nn.Module):
         e_values = None  # E as extra value channels (B, S, M, D), for layers that update it
         if state is not None:
             # Everything stays token-major (keys expanded to the query heads); the backends take heads-first views.
-            q, k = rotate_qk_by_state(q, k, state, self.cfg.tape_fused_updates)
+            q, k = rotate_qk_by_state(q, k, state, self.fused_updates)
             q, k = q.transpose(1, 2), k.transpose(1, 2)
             e_values = state if self.tape_mix is not None else None
         else:
             q, k = pe.rotate_qk(q.transpose(1, 2), k.transpose(1, 2), ctx)
         if cache is not None:
             k, v, e_values = cache.append(k, v, e_values)
+        grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, e_values, ctx.bias))
+        backend = self.backends.backend(ctx.docs is not None, grad)
         if ctx.shard.size > 1:
-            out, attended = self._attend_sharded(q, k, v, e_values, ctx)
+            out, attended = self._attend_sharded(q, k, v, e_values, ctx, backend)
         elif self.cfg.s2_attn and self.training and cache is None and ctx.docs is None:
             group = max(2, int(t * self.cfg.s2_attn_group_fraction))
-            out, attended = shifted_sparse_attention(q, k, v, group, self.cfg.attn_backend, self.scale), None
+            out, attended = shifted_sparse_attention(q, k, v, group, backend, self.scale), None
         else:
             out, attended = attention(
                 q, k, v, None if e_values is None else e_values.transpose(1, 2),  # E as (B, M, S, D) view
                 causal=self.cfg.causal, scale=self.scale, bias=ctx.bias,
-                backend=self.cfg.attn_backend, decay=ctx.xpos, **_docs(ctx),
+                backend=backend, decay=ctx.xpos, **_docs(ctx),
             )
         out = self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
         if attended is not None:
@@ -146,7 +144,8 @@ class Attention(nn.Module):
         return out, state
 
     def _attend_sharded(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e_values: torch.Tensor | None, ctx: PositionContext
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e_values: torch.Tensor | None, ctx: PositionContext,
+        backend: str,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Attention of this rank's T/N tokens through the shard's exchange (Ulysses).
 
@@ -170,7 +169,7 @@ class Attention(nn.Module):
             out, out_e = attention(
                 q_all.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2),
                 None if e_all is None else e_all.transpose(1, 2),
-                causal=self.cfg.causal, scale=self.scale, bias=ctx.bias, backend=self.cfg.attn_backend,
+                causal=self.cfg.causal, scale=self.scale, bias=ctx.bias, backend=backend,
                 decay=ctx.xpos, **_docs(ctx),
             )
             out = out.transpose(1, 2)
@@ -195,15 +194,13 @@ class DecoderLayer(nn.Module):
         updates_state = cfg.updates_tape_state(layer)
         self.tiled_mlp = cfg.tiled_mlp
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg, updates_state)
+        self.attn = Attention(cfg, layer)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.mlp = SwiGLU(cfg.d_model, cfg.ffn_dim)
-        self.tape_mlp = (
-            _with_setting(TapeMlpUpdateWithKernels(cfg.d_model, cfg.n_heads, cfg.tape_dim), cfg)
-            if updates_state and cfg.tape_mlp_update
-            else None
-        )
-        if self.tape_mlp is not None and not cfg.tape_equivariant:  # the ablation without equivariance
+        self.tape_mlp: nn.Module | None = None
+        if updates_state and cfg.tape_mlp_update and cfg.tape_equivariant:
+            self.tape_mlp = TapeMlpUpdateWithKernels(cfg.d_model, cfg.n_heads, cfg.tape_dim)
+        elif updates_state and cfg.tape_mlp_update:  # the ablation without equivariance (no fused kernel)
             self.tape_mlp = TapeMlpUpdateNonEquivariant(cfg.d_model, cfg.n_heads, cfg.head_dim, cfg.tape_dim)
         # FIRE, as the paper's baseline: one bias module per layer (model.fire_shared: one in PositionalEncoding).
         self.fire = FireBias(cfg.n_heads, cfg.fire_hidden, cfg.fire_init_c, cfg.fire_init_threshold) if (
@@ -241,7 +238,7 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, plan: ExecutionPlan | None = None):
         super().__init__()
         cfg.validate()
         self.cfg = cfg
@@ -251,11 +248,29 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = LMHead(cfg.d_model, cfg.vocab_size, loss_backend=cfg.loss_backend, chunk_mib=cfg.loss_chunk_mib)
         self.sequence_shard: SequenceShard | None = None  # set by shard_sequence
+        self.plan = portable_plan(cfg)
+        self.use_plan(plan or self.plan)
         self.reset_parameters()
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         if cfg.compile:
             self.compile_layers()
+
+    def use_plan(self, plan: ExecutionPlan) -> None:
+        """Run what `plan` decided (model/execution_plan.py): each layer's attention backends and E-update path,
+        and the loss. Plain values, set once; nothing in a forward decides again. Callers resolve the plan for
+        their device and dtype (`resolve_plan`) after building the model; until then it runs `portable_plan`."""
+        if len(plan.layers) != len(self.layers):
+            raise ValueError(f"the plan has {len(plan.layers)} layers, the model {len(self.layers)}")
+        self.plan = plan
+        for layer, decided in zip(self.layers, plan.layers, strict=True):
+            layer.attn.backends = decided.attention
+            layer.attn.fused_updates = decided.fused_updates
+            for module in (layer.attn.tape_mix, layer.tape_mlp):
+                if isinstance(module, (TapeHeadMixWithKernels, TapeMlpUpdateWithKernels)):
+                    module.fused = decided.fused_updates
+        if isinstance(self.lm_head, LMHead):
+            self.lm_head.loss_backend = plan.loss
 
     def shard_sequence(self, shard: SequenceShard | None) -> None:
         """Sequence parallelism from now on (None: off). Every forward then takes this rank's contiguous slice of
@@ -324,14 +339,8 @@ class Transformer(nn.Module):
         """
         shard = WHOLE_SEQUENCE if self.sequence_shard is None else self.sequence_shard
         b, t = input_ids.shape
-        self._check_inputs(input_ids, shard, positions, cache, tape_state, doc_ids)
-        whole, docs, sample = self._positions(b, t * shard.size, positions, position_offset, cache, doc_ids, shard,
-                                              input_ids.device)  # (B, T) float64: the whole sequences'
-        key_positions = cache.extend_positions(whole) if cache is not None else whole  # (B, S)
-        x = self.embed(input_ids)  # (B, T/N, C)
-        ctx = self.pe.context(whole[:, local_tokens(shard, whole.shape[1])], key_positions, x.dtype, sample, shard,
-                              docs)
-        state = tape_state if tape_state is not None else ctx.tape_init  # (B, T/N, M, D)
+        x, ctx, state = self.layer_inputs(input_ids, positions=positions, position_offset=position_offset, cache=cache,
+                                          tape_state=tape_state, doc_ids=doc_ids)
         hidden = self._decode(x, ctx, state, cache)  # (B, T/N, C)
         if labels is None:
             return ModelOutput(logits=self.lm_head(hidden[:, kept_tokens(shard, t, logits_to_keep)]))
@@ -343,6 +352,24 @@ class Transformer(nn.Module):
         logits = self.lm_head(hidden)
         return ModelOutput(logits=logits, loss=whole_sequence_mean(
             shard, labels, lambda count: cross_entropy(logits, labels, count)))
+
+    def layer_inputs(
+        self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None, position_offset: int = 0,
+        cache: KVCache | None = None, tape_state: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, PositionContext, torch.Tensor | None]:
+        """What the first decoder layer takes, as `forward` computes it (arguments as there): the embeddings
+        x (B, T/N, C), the positional context and TAPE's E^(0) (B, T/N, M, D) or None. The memory model measures one
+        layer on exactly these."""
+        shard = WHOLE_SEQUENCE if self.sequence_shard is None else self.sequence_shard
+        b, t = input_ids.shape
+        self._check_inputs(input_ids, shard, positions, cache, tape_state, doc_ids)
+        whole, docs, sample = self._positions(b, t * shard.size, positions, position_offset, cache, doc_ids, shard,
+                                              input_ids.device)  # (B, T) float64: the whole sequences'
+        key_positions = cache.extend_positions(whole) if cache is not None else whole  # (B, S)
+        x = self.embed(input_ids)  # (B, T/N, C)
+        ctx = self.pe.context(whole[:, local_tokens(shard, whole.shape[1])], key_positions, x.dtype, sample, shard,
+                              docs)
+        return x, ctx, tape_state if tape_state is not None else ctx.tape_init
 
     def _positions(
         self, batch: int, length: int, positions: torch.Tensor | None, offset: int, cache: KVCache | None,

@@ -18,11 +18,17 @@ import torch
 from tapetrain.distributed import DistEnv, agree
 from tapetrain.errors import ConfigError
 from tapetrain.model import ModelConfig, Transformer
+from tapetrain.model.execution_plan import ExecutionPlan, resolve_plan
 from tapetrain.parallel import ParallelLayout
 from tapetrain.train import resume_checks
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
-from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, ROPE_FIELDS, build_model, resolve_model_config
-from tapetrain.train.start_checks import check_attention_backend, check_fused_updates
+from tapetrain.train.model_init import (
+    CHECKPOINT_SHAPE_FIELDS,
+    DTYPES,
+    ROPE_FIELDS,
+    build_model,
+    resolve_model_config,
+)
 from tapetrain.train.startup import StartupClock
 
 if TYPE_CHECKING:
@@ -65,10 +71,19 @@ class StartChecks:
     resume: ResumePoint | None
     train_dataset: Dataset
     val_dataset: Dataset | None
+    plan: ExecutionPlan  # what every layer runs on this device (model/execution_plan.py)
 
 
 def _data_spec(sources: list[DataSource]) -> list[dict]:
     return [{"path": s.path, "weight": s.weight} for s in sources]
+
+
+def resolve_run_plan(cfg: RunConfig, model_config: ModelConfig, device: torch.device,
+                     warn: bool = True) -> ExecutionPlan:
+    """The run's execution plan: model settings × this device × deepspeed.precision × the kernel record, decided
+    once (training, --print-config and --dry-run read it). Raises ConfigError for a setting that cannot run here."""
+    return resolve_plan(model_config, device, DTYPES[cfg.deepspeed.precision], documents=cfg.data.document_mask,
+                        warn=warn)
 
 
 def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
@@ -102,15 +117,14 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
                 raise ConfigError(f"the data was tokenized with vocab {dataset.vocab_size} but model.init_from="
                                   f"{cfg.model.init_from} has vocab_size={vocab}; prepare the data with the "
                                   "checkpoint's tokenizer (`tapetrain data prepare --tokenizer CHECKPOINT_DIR`)")
-        check_attention_backend(model_config, env.device)
-        check_fused_updates(model_config, env.device)
+        plan = resolve_run_plan(cfg, model_config, env.device)
         if train.document_mask and model_config.s2_attn:
             raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document "
                               "mask; set model.s2_attn=false or data.document_mask=false")
         paths = [s.path for s in [*cfg.data.train, *cfg.data.val]]
         checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer, tokenizer_origin),
                                          resume_checks.data_settings(cfg, train))
-        found.update(resume=resume, train_dataset=train, val_dataset=val)
+        found.update(resume=resume, train_dataset=train, val_dataset=val, plan=plan)
 
     agree(env, check)
     if cfg.data.verify:
@@ -231,6 +245,7 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
 
     # model
     model, total, trainable = _training_model(cfg, model_config, env, ds_config, clock)
+    model.use_plan(start.plan)
     if sp is not None:
         model.shard_sequence(sp.shard)
 

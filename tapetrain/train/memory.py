@@ -48,8 +48,9 @@ from dataclasses import asdict, dataclass
 import torch
 
 from tapetrain.model.config import ModelConfig
+from tapetrain.model.execution_plan import ExecutionPlan
 from tapetrain.model.loss import chunk_tokens_for
-from tapetrain.model.sequence_shard import WHOLE_SEQUENCE, SequenceShard, local_tokens
+from tapetrain.model.sequence_shard import SequenceShard
 from tapetrain.model.tiling import tile_count
 
 GiB = 2**30
@@ -116,8 +117,8 @@ ATTENTION_PATHS = ("sdpa", "sdpa_split", "math", "triton", "flash")
 
 
 def attention_path(backend: str, device: str = "cuda", keys: int = 0, carries_e: bool = True) -> str:
-    """What `layer_activation_bytes` models for the attention backend that runs (attention.choose_backend's
-    answer, or a model.attn_backend setting) on `device` ("cuda" or "cpu"), `keys` keys per sequence.
+    """What `layer_activation_bytes` models for the attention backend that runs (the execution plan's choice, or a
+    model.attn_backend setting) on `device` ("cuda" or "cpu"), `keys` keys per sequence.
 
     "auto" on a GPU: TAPE's layers that carry E take cuDNN's SDPA on Hopper and newer, the Triton kernel before it;
     "sdpa" is the larger of the two (2·H·D more values per token with multi-head attention), so the estimate keeps
@@ -208,7 +209,7 @@ def layer_activation_bytes(
     if path not in ATTENTION_PATHS:
         raise ValueError(f"attention={path!r}: choose one of {', '.join(ATTENTION_PATHS)}")
     p, tokens = bytes_per_value, batch * (seq // sequence_parallel)
-    carries_e = cfg.pe == "tape" and updates_state and cfg.tape_attn_update
+    carries_e = cfg.e_in_attention(updates_state)
     fused = fused_updates_modelled(cfg) if fused_updates is None else fused_updates and cfg.pe == "tape"
     per_token = _norm_bytes(cfg.d_model, p) + _attention_bytes(cfg, p, path, carries_e, first_layer, seq,
                                                                sequence_parallel, fused)
@@ -226,7 +227,7 @@ def exchanged_widths(cfg: ModelConfig, n: int, updates_state: bool = True) -> tu
     h, hk, d = cfg.n_heads, cfg.kv_heads, cfg.head_dim
     own = hk if hk % n == 0 else h
     k = h * d if cfg.pe == "tape" else own * d
-    v = 2 * h * d if cfg.pe == "tape" and updates_state and cfg.tape_attn_update else own * d
+    v = 2 * h * d if cfg.e_in_attention(updates_state) else own * d
     return h * d, k, v
 
 
@@ -314,6 +315,7 @@ def estimate_memory(
     largest_trainable: int = 0,
     context_gib: float = CUDA_CONTEXT_GIB,
     attention: str = "sdpa",
+    fused_updates: bool | None = None,
 ) -> MemoryEstimate:
     """Per-GPU bytes. ZeRO partitions over all `world_size` ranks (sequence parallel ones too); each rank holds
     seq_len / sequence_parallel tokens of every sequence, so activations and the loss scale with T/N. `attention`:
@@ -345,7 +347,7 @@ def estimate_memory(
     overlap = buffers.overlap_comm if buffers.overlap_comm is not None else zero_stage == 3
     late_gradient = largest_trainable * p if zero_stage >= 2 or zero_stage == 1 and overlap else 0
     activations = activation_bytes(cfg, micro_batch, seq_len, activation_checkpointing, sequence_parallel, tiled_mlp,
-                                   bytes_per_value=p, attention=attention)
+                                   bytes_per_value=p, attention=attention, fused_updates=fused_updates)
     local = seq_len // sequence_parallel
     logits = loss_bytes(cfg, micro_batch, local, p, fused=fused_loss, head_trainable=lm_head_trainable)
     context = context_gib * GiB
@@ -388,9 +390,17 @@ def parameter_counts(cfg: ModelConfig, trainable: str) -> ParameterCounts:
 
 
 def estimate_run_memory(run_cfg, model_cfg: ModelConfig, world_size: int, *, context_gib: float = CUDA_CONTEXT_GIB,
-                        ) -> tuple[MemoryEstimate, ParameterCounts]:
-    """The estimate for a resolved RunConfig on `world_size` ranks: what `--print-config` prints."""
+                        plan: ExecutionPlan | None = None) -> tuple[MemoryEstimate, ParameterCounts]:
+    """The estimate for a resolved RunConfig on `world_size` ranks: what `--print-config` prints. `plan`: the run's
+    execution plan on this machine; on a GPU its attention path and E-update path are what the estimate counts
+    (elsewhere the GPU's is not known: the larger of cuDNN SDPA and Triton, eager updates unless set true)."""
     d = run_cfg.deepspeed
+    attention, fused = attention_path(model_cfg.attn_backend), None
+    if plan is not None and plan.device == "cuda":
+        layer = next((layer for layer in plan.layers if layer.carries_e), plan.layers[0])
+        backend = layer.attention.backend(run_cfg.data.document_mask, grad=True)
+        attention = attention_path(backend, "cuda", run_cfg.data.seq_len, layer.carries_e)
+        fused = plan.fused_updates
     counts = parameter_counts(model_cfg, run_cfg.train.trainable)
     est = estimate_memory(
         model_cfg, seq_len=run_cfg.data.seq_len, micro_batch=run_cfg.train.micro_batch_size, world_size=world_size,
@@ -403,13 +413,14 @@ def estimate_run_memory(run_cfg, model_cfg: ModelConfig, world_size: int, *, con
                             contiguous_gradients=d.contiguous_gradients,
                             stage3_prefetch_bucket_size=d.stage3_prefetch_bucket_size,
                             stage3_max_live_parameters=d.stage3_max_live_parameters),
-        context_gib=context_gib, attention=attention_path(model_cfg.attn_backend),
+        context_gib=context_gib, attention=attention, fused_updates=fused,
     )  # fmt: skip
     return est, counts
 
 
 def activation_bytes(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool, sequence_parallel: int = 1,
-                     tiled_mlp: int | str = 0, bytes_per_value: int = 2, attention: str = "sdpa") -> int:
+                     tiled_mlp: int | str = 0, bytes_per_value: int = 2, attention: str = "sdpa",
+                     fused_updates: bool | None = None) -> int:
     """Peak activation bytes per rank: what the layers keep for backward, plus one layer's transients (its
     recompute and that recompute's backward under checkpointing, one MLP chunk's recompute when tiled, the
     all-to-all buffers). `attention`: the path attention takes (`attention_path`)."""
@@ -418,7 +429,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq: int, checkpointing: bool
     chunks = tile_count(tiled_mlp, local, cfg.d_model)
     layers = [
         layer_activation_bytes(cfg, batch, seq, p, cfg.updates_tape_state(i), chunks, n, attention=attention,
-                               first_layer=i == 0)
+                               first_layer=i == 0, fused_updates=fused_updates)
         for i in range(cfg.n_layers)
     ]
     transient = tiled_mlp_peak_bytes(cfg, batch, local, chunks, p) + exchange_bytes(cfg, batch, seq, n, p)
@@ -456,12 +467,13 @@ def measure_layer_saved_bytes(model: torch.nn.Module, input_ids: torch.Tensor, l
     models it). The layers before `layer` run first, unmeasured, so that its input and TAPE's E are what training
     gives it (E then needs a gradient; layer 0's E^(0) does not)."""
     model.train()
-    b, t = input_ids.shape
-    shard = WHOLE_SEQUENCE if shard is None else shard
-    whole = model.pe.default_positions(b, t * shard.size, 0, 0, input_ids.device, False, shard)
-    x = model.embed(input_ids).detach().requires_grad_()
-    ctx = model.pe.context(whole[:, local_tokens(shard, t * shard.size)], whole, x.dtype, False, shard)
-    state = ctx.tape_init
+    sharded_before = model.sequence_shard
+    model.shard_sequence(shard)
+    try:
+        x, ctx, state = model.layer_inputs(input_ids)  # as Transformer.forward computes them
+    finally:
+        model.shard_sequence(sharded_before)
+    x = x.detach().requires_grad_()
     for earlier in model.layers[:layer]:
         x, state = earlier(x, ctx, state, model.pe)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}

@@ -18,6 +18,7 @@ from tapetrain.parallel import ParallelLayout
 if TYPE_CHECKING:
     from tapetrain.config import RunConfig
     from tapetrain.model import ModelConfig
+    from tapetrain.model.execution_plan import ExecutionPlan
 
 log = logging.getLogger("tapetrain.train")
 
@@ -37,10 +38,10 @@ def _parameter_counts(cfg: RunConfig, model_config: ModelConfig) -> tuple[int, i
 
 
 def _memory_lines(cfg: RunConfig, model_config: ModelConfig, world_size: int, total: int,
-                  trainable: int) -> list[str]:
+                  trainable: int, plan: ExecutionPlan | None) -> list[str]:
     from tapetrain.train.memory import estimate_run_memory
 
-    est, _ = estimate_run_memory(cfg, model_config, world_size)
+    est, _ = estimate_run_memory(cfg, model_config, world_size, plan=plan)
     parts = [("weights", est.weights_gb), ("gradients", est.grads_gb), ("optimizer", est.optimizer_gb),
              ("ZeRO buffers", est.buffers_gb), ("activations", est.activations_gb), ("logits", est.logits_gb),
              ("CUDA context", est.context_gb), ("total", est.total_gpu_gb)]
@@ -72,6 +73,7 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
         raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document mask; set "
                           "model.s2_attn=false or data.document_mask=false")
     total, trainable = _parameter_counts(cfg, model_config)
+    plan, refusal = run_plan_or_refusal(cfg, model_config)
     accum = cfg.grad_accum_steps(world)
     layout = ParallelLayout(world, cfg.parallel.sequence_parallel)
     print(dump_run_config(cfg), end="")
@@ -87,53 +89,30 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
         f"{cfg.train.micro_batch_size} x {ranks} x {accum})",
         f"tokens per step: {cfg.tokens_per_step(world):,} ({cfg.train.global_batch_size} x {cfg.data.seq_len})",
         f"tokens in the run: {cfg.tokens_per_step(world) * cfg.train.steps:,} ({cfg.train.steps} steps)",
-        *_memory_lines(cfg, model_config, world, total, trainable),
-        *attention_plan_lines(model_config, cfg.deepspeed.precision, cfg.data.document_mask),
+        *_memory_lines(cfg, model_config, world, total, trainable, plan),
+        *(plan.lines(cfg.data.document_mask) if plan is not None else [refusal]),
     ]
     print("\n".join(lines))
     return 0
 
 
-def attention_plan_lines(model_config: ModelConfig, precision: str, document_mask: bool,
-                         device: torch.device | None = None) -> list[str]:
-    """One line per kind of layer: the attention backend `model.attn_backend` resolves to on this machine's device,
-    and whether that path is verified on it (tapetrain/model/kernel_record.py)."""
-    from tapetrain.model import kernel_record
-    from tapetrain.model.attention import choose_backend, gpu_path
+def run_plan_or_refusal(cfg: RunConfig, model_config: ModelConfig,
+                        device: torch.device | None = None) -> tuple[ExecutionPlan | None, str]:
+    """The run's execution plan on this machine's device (model/execution_plan.py), or None and why it is refused."""
+    from tapetrain.train.build import resolve_run_plan
 
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    has_bias = model_config.pe in ("alibi", "fire")
-    gqa = model_config.kv_heads != model_config.n_heads
-    kinds: dict[bool, list[int]] = {}
-    for layer in range(model_config.n_layers):
-        kinds.setdefault(model_config.updates_tape_state(layer), []).append(layer)
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    lines = [f"attention ({model_config.attn_backend!r} on {where}, {precision}"
-             + (", document mask" if document_mask else "") + "):"]
-    for has_e, layers in sorted(kinds.items(), reverse=True):
-        try:
-            backend = choose_backend(model_config.attn_backend, device=device, dtype=dtype, has_bias=has_bias,
-                                     has_e=has_e, has_docs=document_mask, gqa=gqa)
-        except (RuntimeError, ValueError) as err:
-            backend, state = "refused", str(err)
-        else:
-            if device.type != "cuda":
-                state = "CPU: PyTorch's own or the CPU-tested path"
-            elif backend in kernel_record.FALLBACKS["attention"]:
-                state = "PyTorch's own kernel (the fallback)"
-            else:
-                path = gpu_path(backend, device, dtype, has_e=has_e, has_docs=document_mask, gqa=gqa)
-                state = "verified" if kernel_record.is_verified(path) else \
-                    f"UNVERIFIED on this GPU; {kernel_record.HOW_TO_VERIFY}"  # fmt: skip
-        what = "layers carrying TAPE's E" if has_e else "layers without E"
-        span = f"{layers[0]}" if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
-        lines.append(f"  {what} ({span}): {backend} ({state})")
-    if model_config.pe == "tape":
-        from tapetrain.model.tape_fused import plan_line
+    try:
+        return resolve_run_plan(cfg, model_config, device, warn=False), ""
+    except ConfigError as err:
+        return None, f"attention and kernels ({model_config.attn_backend!r} on {device.type}): refused ({err})"
 
-        lines.append(plan_line(model_config.tape_fused_updates, device, dtype))
-    return lines
+
+def attention_plan_lines(cfg: RunConfig, model_config: ModelConfig, device: torch.device | None = None) -> list[str]:
+    """The plan as --print-config shows it: one line per kind of layer (with and without TAPE's E), whether each
+    path is verified here, the E-update path; or the one line saying why the plan is refused."""
+    plan, refusal = run_plan_or_refusal(cfg, model_config, device)
+    return plan.lines(cfg.data.document_mask) if plan is not None else [refusal]
 
 
 def dry_run(cfg: RunConfig, env: DistEnv) -> int:

@@ -1,5 +1,5 @@
-"""Checks of a start that need no engine: an attention backend or fused TAPE updates this machine cannot run, and
-(for --dry-run) what remote data would fail on later: the cache directory, the cache limit against the shard
+"""Checks of a start that need no engine (what the kernels need is the execution plan's: model/execution_plan.py):
+for --dry-run, what remote data would fail on later: the cache directory, the cache limit against the shard
 sizes, every shard's presence. Each raises a one-line ConfigError or DataError naming the problem and the fix."""
 
 from __future__ import annotations
@@ -10,39 +10,13 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from tapetrain.data.errors import DataError
-from tapetrain.errors import ConfigError
 
 if TYPE_CHECKING:
-    import torch
-
     from tapetrain.config import RunConfig
-    from tapetrain.model import ModelConfig
 
 log = logging.getLogger("tapetrain.train")
 
 HEAD_THREADS = 16  # concurrent HEAD requests: a dataset of thousands of shards is checked in seconds
-
-
-def check_attention_backend(model_config: ModelConfig, device: torch.device) -> None:
-    """An explicitly chosen backend must run here (before: the dry run passed, then step 1 raised, exit 70)."""
-    from tapetrain.model.attention import backend_available
-
-    name = model_config.attn_backend
-    if name not in ("auto", "eager", "sdpa") and not backend_available(name, device):
-        needs = {"flash": "a CUDA GPU and flash-attn", "triton": "a CUDA GPU and triton",
-                 "flex": "torch's FlexAttention"}.get(name, name)
-        raise ConfigError(f"model.attn_backend={name} cannot run on this {device.type} machine (it needs {needs}); "
-                          "use model.attn_backend=auto (or sdpa), or run on a machine that has it")
-
-
-def check_fused_updates(model_config: ModelConfig, device: torch.device) -> None:
-    """model.tape_fused_updates=true must be able to run its kernels here (else step 1 would raise)."""
-    from tapetrain.model.tape_fused import cannot_run_reason
-
-    if model_config.pe == "tape" and model_config.tape_fused_updates is True:
-        reason = cannot_run_reason(device)
-        if reason is not None:
-            raise ConfigError(f"model.tape_fused_updates=true cannot run on this {device.type} machine: {reason}")
 
 
 def remote_sources(*datasets: Any) -> list[Any]:

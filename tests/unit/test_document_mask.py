@@ -130,8 +130,11 @@ def test_flex_forward_equals_separate_runs(pe: str):
                 ref.append(model(ids[row : row + 1, start : start + length]).logits[0])
                 start += length
     torch.testing.assert_close(out.logits, torch.cat(ref).view(2, 24, -1), atol=1e-5, rtol=0)
-    with pytest.raises(RuntimeError, match="no backward on CPU"):
-        model.train()(ids, labels=labels, doc_ids=docs)
+    from tapetrain.errors import ConfigError
+    from tapetrain.model.execution_plan import resolve_plan
+
+    with pytest.raises(ConfigError, match="no backward on CPU"):  # a training run's plan refuses it at start
+        resolve_plan(model.cfg, torch.device("cpu"), torch.float32, documents=True)
 
 
 @pytest.mark.parametrize("pe", PES)
@@ -232,15 +235,16 @@ def test_single_document_loss_matches_unmasked_reference():
 
 def test_auto_backend_with_documents_on_cpu():
     """Measured on CPU (docs/document-masking.md): compiled flex for forwards without gradients, SDPA to train
-    (flex has no CPU backward) and with a bias."""
-    from tapetrain.model.attention import choose_backend
+    (flex has no CPU backward) and with a bias. The execution plan holds all three for every layer."""
+    from tapetrain.model import preset_config
+    from tapetrain.model.execution_plan import resolve_plan
 
     cpu, f32 = torch.device("cpu"), torch.float32
-    pick = dict(device=cpu, dtype=f32, has_e=True, has_docs=True)
-    assert choose_backend("auto", has_bias=False, grad=False, **pick) == "flex"
-    assert choose_backend("auto", has_bias=False, grad=True, **pick) == "sdpa"
-    assert choose_backend("auto", has_bias=True, grad=False, **pick) == "sdpa"
-    assert choose_backend("auto", device=cpu, dtype=f32, has_bias=False, has_e=True) == "sdpa"  # no mask: as before
+    (tape,) = {layer.attention for layer in resolve_plan(preset_config("tiny", pe="tape"), cpu, f32).layers}
+    assert (tape.plain, tape.documents, tape.documents_no_grad) == ("sdpa", "sdpa", "flex")
+    assert tape.backend(has_docs=True, grad=False) == "flex" and tape.backend(has_docs=True, grad=True) == "sdpa"
+    (alibi,) = {layer.attention for layer in resolve_plan(preset_config("tiny", pe="alibi"), cpu, f32).layers}
+    assert (alibi.plain, alibi.documents, alibi.documents_no_grad) == ("sdpa", "sdpa", "sdpa")  # a bias: SDPA
 
 
 class OneRankShard:

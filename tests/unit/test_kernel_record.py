@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tapetrain.bench.campaign_record import merge_campaign, record_from_junit
-from tapetrain.model import attention, kernel_record, loss
-from tapetrain.model.attention import choose_backend
+from tapetrain.errors import ConfigError
+from tapetrain.model import attention, execution_plan, kernel_record, loss, preset_config
 from tapetrain.model.config import ATTN_BACKENDS, LOSS_BACKENDS
 
 CUDA = torch.device("cuda")
@@ -58,8 +58,17 @@ def fake_gpu(monkeypatch, capability=(8, 0), installed=("triton",)):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"fake sm_{capability[0]}{capability[1]}")
     monkeypatch.setattr(attention, "backend_available", lambda name, device: name in ("eager", "sdpa", *installed))
-    monkeypatch.setattr(attention, "_cudnn_sdpa", lambda device: False)
-    attention._logged_choices.clear()
+    monkeypatch.setattr(execution_plan, "cudnn_sdpa", lambda device: False)
+
+
+def choose(requested: str, *, has_e: bool, has_docs: bool = False, gqa: bool = False, dtype=torch.bfloat16,
+           pe: str = "tape") -> str:
+    """The backend the execution plan gives the layers with (has_e) or without E, for calls with or without a
+    document mask, on the fake CUDA device."""
+    cfg = preset_config("tiny", pe=pe, n_layers=2, attn_backend=requested, n_kv_heads=2 if gqa else None)
+    plan = execution_plan.resolve_plan(cfg, CUDA, dtype, documents=has_docs)
+    (layer,) = [layer for layer in plan.layers if layer.carries_e == has_e][:1]
+    return layer.attention.backend(has_docs, grad=True)
 
 
 def test_the_record_holds_passes_failures_and_never_skips(record):
@@ -77,14 +86,13 @@ def test_the_record_holds_passes_failures_and_never_skips(record):
 
 def test_auto_picks_only_what_passed_on_this_capability(record, monkeypatch):
     fake_gpu(monkeypatch, (8, 0), installed=("triton", "flash", "flex"))
-    pick = dict(device=CUDA, dtype=torch.bfloat16, has_bias=False)
-    assert choose_backend("auto", has_e=True, **pick) == "triton"  # passed on sm_80
-    assert choose_backend("auto", has_e=False, **pick) == "sdpa"  # flash installed but never ran: not picked
-    assert choose_backend("auto", has_e=True, has_docs=True, **pick) == "sdpa"  # its docs test failed; flex unrun
-    assert choose_backend("auto", has_e=True, dtype=torch.float16, device=CUDA, has_bias=False) == "triton"
-    assert choose_backend("auto", has_e=True, gqa=True, **pick) == "sdpa"  # GQA was not part of what passed
+    assert choose("auto", has_e=True) == "triton"  # passed on sm_80
+    assert choose("auto", has_e=False) == "sdpa"  # flash installed but never ran: not picked
+    assert choose("auto", has_e=True, has_docs=True) == "sdpa"  # its docs test failed; flex unrun
+    assert choose("auto", has_e=True, dtype=torch.float16) == "triton"
+    assert choose("auto", has_e=True, gqa=True) == "sdpa"  # GQA was not part of what passed
     fake_gpu(monkeypatch, (9, 0), installed=("triton", "flash", "flex"))
-    assert choose_backend("auto", has_e=True, **pick) == "sdpa"  # sm_90 has no campaign in this record
+    assert choose("auto", has_e=True) == "sdpa"  # sm_90 has no campaign in this record
 
 
 def test_an_empty_record_leaves_auto_on_pytorch_kernels(tmp_path, monkeypatch):
@@ -95,25 +103,27 @@ def test_an_empty_record_leaves_auto_on_pytorch_kernels(tmp_path, monkeypatch):
     fake_gpu(monkeypatch, (8, 0), installed=("triton", "flash", "flex"))
     for has_e in (True, False):
         for docs in (True, False):
-            assert choose_backend("auto", device=CUDA, dtype=torch.bfloat16, has_bias=False, has_e=has_e,
-                                  has_docs=docs) == "sdpa"
+            assert choose("auto", has_e=has_e, has_docs=docs) == "sdpa"
 
 
 def test_a_path_named_explicitly_runs_with_one_warning(record, monkeypatch, caplog):
     fake_gpu(monkeypatch, (8, 0), installed=("triton", "flash"))
     with caplog.at_level(logging.WARNING, logger="tapetrain.model"):
         for _ in range(3):
-            assert choose_backend("flash", device=CUDA, dtype=torch.bfloat16, has_bias=False, has_e=False) == "flash"
-        assert choose_backend("triton", device=CUDA, dtype=torch.bfloat16, has_bias=False, has_e=True) == "triton"
+            assert choose("flash", has_e=False, pe="rope") == "flash"
+        assert choose("triton", has_e=True) == "triton"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1, warnings  # flash, once; triton passed here, so no warning
+    # flash once (three plans resolved); triton passed here with E, so only TAPE's last layer (no E) is unverified
+    assert len(warnings) == 2, warnings
     assert "'flash'" in warnings[0] and "unverified" in warnings[0] and "make gpu-check" in warnings[0]
     assert "sm_80" in warnings[0]
+    assert "'triton'" in warnings[1] and "with E" not in warnings[1]
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tapetrain.model"):
-        choose_backend("triton", device=CUDA, dtype=torch.bfloat16, has_bias=False, has_e=True, has_docs=True)
-    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert "failed its tests in the campaign of 2026-11-27" in warning
+        choose("triton", has_e=True, has_docs=True)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    (failed,) = [w for w in warnings if "with E, document mask" in w]
+    assert "failed its tests in the campaign of 2026-11-27" in failed
 
 
 def test_liger_only_when_verified(record, monkeypatch):
@@ -125,18 +135,39 @@ def test_liger_only_when_verified(record, monkeypatch):
 
 
 def test_print_config_names_each_layer_kind_and_whether_it_is_verified(record, monkeypatch):
-    from tapetrain.model import preset_config
-    from tapetrain.train.preflight import attention_plan_lines
-
     fake_gpu(monkeypatch, (8, 0), installed=("triton", "flash"))
     cfg = preset_config("tiny", pe="tape", n_layers=3, n_kv_heads=None)
-    lines = attention_plan_lines(cfg, "bf16", False, device=CUDA)
+    lines = execution_plan.resolve_plan(cfg, CUDA, torch.bfloat16).lines()
     assert lines[0].startswith("attention ('auto' on fake sm_80, bf16")
     assert "layers carrying TAPE's E (0-1): triton (verified)" in lines[1]
     assert "layers without E (2): sdpa (PyTorch's own kernel (the fallback))" in lines[2]
     cfg = preset_config("tiny", pe="rope", n_layers=2, attn_backend="flash")
-    (line,) = attention_plan_lines(cfg, "bf16", False, device=CUDA)[1:]
+    (line,) = execution_plan.resolve_plan(cfg, CUDA, torch.bfloat16).lines()[1:]
     assert "flash (UNVERIFIED on this GPU; run `make gpu-check`" in line
+
+
+def test_layers_without_the_attention_update_carry_no_e(record, monkeypatch):
+    """model.tape_attn_update=false: layers still update E (the MLP side) but attend without it, so the plan (and
+    --print-config) names the no-E path for them. Grouping layers by `updates_tape_state` named the with-E
+    backend (triton, verified with E only) for layers whose attention never sees E."""
+    fake_gpu(monkeypatch, (8, 0), installed=("triton",))
+    cfg = preset_config("tiny", pe="tape", n_layers=3, tape_attn_update=False)
+    plan = execution_plan.resolve_plan(cfg, CUDA, torch.bfloat16)
+    assert [layer.carries_e for layer in plan.layers] == [False, False, False]
+    lines = plan.lines()
+    assert not any("carrying TAPE's E" in line for line in lines), lines
+    assert "layers without E (0-2): sdpa" in lines[1]
+    assert [cfg.carries_e(i) for i in range(3)] == [False, False, False]
+    assert [preset_config("tiny", pe="tape", n_layers=3).carries_e(i) for i in range(3)] == [True, True, False]
+
+
+def test_a_refused_setting_names_the_key_and_the_fix(monkeypatch):
+    fake_gpu(monkeypatch, (8, 0), installed=())
+    with pytest.raises(ConfigError, match=r"model.attn_backend=triton cannot run .* use model.attn_backend=auto"):
+        execution_plan.resolve_plan(preset_config("tiny", pe="tape", attn_backend="triton"), CUDA, torch.bfloat16)
+    fake_gpu(monkeypatch, (8, 0), installed=("flash",))
+    with pytest.raises(ConfigError, match="does not take the additive bias of model.pe=alibi"):
+        execution_plan.resolve_plan(preset_config("tiny", pe="alibi", attn_backend="flash"), CUDA, torch.bfloat16)
 
 
 def test_a_verifies_mark_reaches_the_junit_properties(request, verifies):
@@ -162,16 +193,25 @@ def test_the_committed_record_names_real_paths():
             assert path["tests"], path  # every verdict names the tests behind it
 
 
-def test_auto_decided_inside_a_compiled_layer_breaks_no_graph(record, monkeypatch):
-    """The first attention call of a compiled layer resolves `auto` inside the compiled region; the record lookup
-    (a file read) is a constant to torch.compile there, not a graph break, and it is the record's answer."""
-    fake_gpu(monkeypatch, (8, 0), installed=("triton",))
+def test_a_forward_decides_nothing(monkeypatch):
+    """The plan is resolved once; a forward and backward, eager or through a compiled layer, only read the names the
+    modules were given (no record lookup, no resolution that torch.compile would have to trace)."""
+    from tapetrain.model import tape_fused
+    from tapetrain.model.transformer import Transformer
 
-    def step(x: torch.Tensor) -> torch.Tensor:
-        name = choose_backend("auto", device=CUDA, dtype=torch.bfloat16, has_bias=False, has_e=True)
-        return x * 2 if name == "triton" else x * 3
+    cfg = preset_config("tiny", pe="tape", n_layers=2, max_seq_len=16)
+    model = Transformer(cfg)
+    model.use_plan(execution_plan.resolve_plan(cfg, torch.device("cpu"), torch.float32))
 
-    explain = torch._dynamo.explain(step)(torch.ones(3))
+    def forbidden(*args, **kwargs):
+        raise AssertionError("resolved during a forward")
+
+    for owner, name in ((execution_plan, "resolve_plan"), (execution_plan, "_attention"), (tape_fused,
+                        "resolve_fused_updates"), (loss, "resolve_loss_backend"), (kernel_record, "status")):
+        monkeypatch.setattr(owner, name, forbidden)
+    ids = torch.randint(0, cfg.vocab_size, (1, 17))
+    model(ids[:, :-1], labels=ids[:, 1:]).loss.backward()
+    positions = torch.arange(16.0, dtype=torch.float64)[None]  # (1, T)
+    ctx = model.pe.context(positions, positions, torch.float32)
+    explain = torch._dynamo.explain(model.layers[0])(model.embed(ids[:, :-1]), ctx, ctx.tape_init, model.pe)
     assert explain.graph_break_count == 0, explain.break_reasons
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(step, backend="eager")(torch.ones(3)), torch.full((3,), 2.0))

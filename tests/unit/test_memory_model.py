@@ -70,9 +70,7 @@ def test_fused_updates_layer_saved_bytes_exact(monkeypatch, layer, tiled, head_m
     if DEV.type == "cpu":
         monkeypatch.setenv("TRITON_INTERPRET", "1")
     pytest.importorskip("triton")
-    from tapetrain.model import tape_fused
 
-    tape_fused.clear_decisions()
     cfg = preset_config("tiny", pe="tape", n_layers=3, attn_backend="triton", tiled_mlp=tiled,
                         tape_head_mix=head_mix, tape_fused_updates=True)
     torch.manual_seed(0)

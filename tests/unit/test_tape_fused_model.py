@@ -14,7 +14,6 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from tapetrain.model import tape_fused  # noqa: E402
 from tests.unit.model_helpers import (  # noqa: E402
     assert_reference_grads_nonzero,
     build,
@@ -25,7 +24,6 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _loss_and_grads(fused: bool, t: int = 13, **overrides) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    tape_fused.clear_decisions()
     model = build("tape", tape_fused_updates=fused, n_layers=3, **overrides).to(DEV).train()
     randomize_tape(model)
     gen = torch.Generator().manual_seed(3)
@@ -82,7 +80,6 @@ def test_the_ablation_without_equivariance_stays_eager(monkeypatch):
 def test_generation_with_a_kv_cache_matches_eager():
     outs = []
     for fused in (False, True):
-        tape_fused.clear_decisions()
         model = build("tape", tape_fused_updates=fused).to(DEV)
         randomize_tape(model)
         prompt = torch.randint(0, model.cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1)).to(DEV)
@@ -92,7 +89,6 @@ def test_generation_with_a_kv_cache_matches_eager():
 
 
 def test_a_compiled_tape_layer_keeps_one_graph():
-    tape_fused.clear_decisions()
     model = build("tape", tape_fused_updates=True).to(DEV)
     randomize_tape(model)
     layer = model.layers[0]

@@ -14,9 +14,7 @@ import torch
 from tapetrain.bench.campaign_record import merge_campaign, record_from_junit
 from tapetrain.errors import ConfigError
 from tapetrain.model import kernel_record, preset_config, tape_fused
-from tapetrain.model.compile_constant import constant_to_compile
-from tapetrain.train.preflight import attention_plan_lines
-from tapetrain.train.start_checks import check_fused_updates
+from tapetrain.model.execution_plan import resolve_plan
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 
@@ -40,40 +38,47 @@ def record(tmp_path, monkeypatch):
     merge_campaign(tmp_path / "record.json", campaign)
     monkeypatch.setenv(kernel_record.RECORD_ENV, str(tmp_path / "record.json"))
     kernel_record.clear_cache()
-    tape_fused.clear_decisions()
     yield
     kernel_record.clear_cache()
-    tape_fused.clear_decisions()
 
 
 def fake_gpu(monkeypatch, capability: tuple[int, int]) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"fake sm_{capability[0]}{capability[1]}")
     monkeypatch.setattr(tape_fused, "triton_installed", lambda: True)
-    tape_fused.clear_decisions()
+
+
+def fused(setting, device, dtype) -> bool:
+    """What the execution plan decides for model.tape_fused_updates=`setting` (every layer of a TAPE model)."""
+    plan = resolve_plan(preset_config("tiny", pe="tape", tape_fused_updates=setting), device, dtype)
+    (decided,) = {layer.fused_updates for layer in plan.layers}
+    return decided
+
+
+def plan_lines(setting, dtype, device, pe="tape") -> list[str]:
+    return resolve_plan(preset_config("tiny", pe=pe, tape_fused_updates=setting), device, dtype).lines()
 
 
 def test_auto_is_fused_only_where_the_record_says_the_kernels_passed(record, monkeypatch):
     fake_gpu(monkeypatch, (9, 0))
-    assert tape_fused.use_fused_updates("auto", CUDA, torch.bfloat16)
-    assert not tape_fused.use_fused_updates("auto", CUDA, torch.float16)  # never tested in fp16
+    assert fused("auto", CUDA, torch.bfloat16)
+    assert not fused("auto", CUDA, torch.float16)  # never tested in fp16
     fake_gpu(monkeypatch, (8, 0))  # an A100: no campaign
-    assert not tape_fused.use_fused_updates("auto", CUDA, torch.bfloat16)
-    assert not tape_fused.use_fused_updates(False, CUDA, torch.bfloat16)
+    assert not fused("auto", CUDA, torch.bfloat16)
+    assert not fused(False, CUDA, torch.bfloat16)
 
 
 def test_auto_is_eager_on_cpu_even_with_the_interpreter(record, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not tape_fused.use_fused_updates("auto", CPU, torch.float32)
+    assert not fused("auto", CPU, torch.float32)
 
 
 def test_true_on_an_unverified_gpu_runs_with_one_warning(record, monkeypatch, caplog):
     fake_gpu(monkeypatch, (8, 0))
     kernel_record._warned.clear()
     with caplog.at_level(logging.WARNING, logger="tapetrain.model"):
-        assert tape_fused.use_fused_updates(True, CUDA, torch.bfloat16)
-        tape_fused.clear_decisions()
-        assert tape_fused.use_fused_updates(True, CUDA, torch.bfloat16)
+        assert fused(True, CUDA, torch.bfloat16)
+        assert fused(True, CUDA, torch.bfloat16)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1, warnings
     assert "tape_update backend 'triton' on sm_80 bf16 is unverified" in warnings[0]
@@ -82,34 +87,29 @@ def test_true_on_an_unverified_gpu_runs_with_one_warning(record, monkeypatch, ca
 
 def test_true_on_cpu_needs_the_interpreter_and_says_so(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    tape_fused.clear_decisions()
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        tape_fused.use_fused_updates(True, CPU, torch.float32)
-    cfg = preset_config("tiny", pe="tape", tape_fused_updates=True)
     with pytest.raises(ConfigError, match=r"model.tape_fused_updates=true cannot run on this cpu machine.*"
                                           r"TRITON_INTERPRET=1.*model.tape_fused_updates=auto"):
-        check_fused_updates(cfg, CPU)
-    check_fused_updates(preset_config("tiny", pe="tape"), CPU)  # auto: nothing to refuse
-    check_fused_updates(preset_config("tiny", pe="rope", tape_fused_updates=True), CPU)  # no TAPE: nothing runs
+        fused(True, CPU, torch.float32)
+    assert not fused("auto", CPU, torch.float32)  # auto: nothing to refuse
+    rope = resolve_plan(preset_config("tiny", pe="rope", tape_fused_updates=True), CPU, torch.float32)
+    assert not rope.fused_updates  # no TAPE: nothing runs
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    check_fused_updates(cfg, CPU)
+    assert fused(True, CPU, torch.float32)
 
 
 def test_print_config_says_which_path_and_whether_it_is_verified(record, monkeypatch):
     fake_gpu(monkeypatch, (9, 0))
     monkeypatch.setattr("tapetrain.model.attention.backend_available", lambda name, device: name in ("eager", "sdpa"))
-    line = attention_plan_lines(preset_config("tiny", pe="tape"), "bf16", False, device=CUDA)[-1]
+    line = plan_lines("auto", torch.bfloat16, CUDA)[-1]
     assert line == "TAPE's E updates (model.tape_fused_updates=auto on fake sm_90): fused Triton kernels (verified)"
     fake_gpu(monkeypatch, (8, 0))
-    line = attention_plan_lines(preset_config("tiny", pe="tape"), "bf16", False, device=CUDA)[-1]
+    line = plan_lines("auto", torch.bfloat16, CUDA)[-1]
     assert line.endswith("eager (auto: not verified on this GPU)")
-    line = attention_plan_lines(preset_config("tiny", pe="tape", tape_fused_updates=True), "bf16", False,
-                                device=CUDA)[-1]
+    line = plan_lines(True, torch.bfloat16, CUDA)[-1]
     assert "fused Triton kernels (UNVERIFIED on this GPU; run `make gpu-check`" in line
-    line = attention_plan_lines(preset_config("tiny", pe="tape"), "fp32", False, device=CPU)[-1]
+    line = plan_lines("auto", torch.float32, CPU)[-1]
     assert line == "TAPE's E updates (model.tape_fused_updates=auto on cpu): eager (auto: eager on cpu)"
-    assert not any("E updates" in x for x in attention_plan_lines(preset_config("tiny", pe="rope"), "fp32", False,
-                                                                  device=CPU))
+    assert not any("E updates" in x for x in plan_lines("auto", torch.float32, CPU, pe="rope"))
 
 
 def test_the_setting_changes_how_not_what_so_a_resume_may_change_it():
@@ -118,37 +118,11 @@ def test_the_setting_changes_how_not_what_so_a_resume_may_change_it():
     assert "tape_fused_updates" in EXECUTION_ONLY_MODEL_FIELDS
 
 
-def test_the_first_decision_inside_a_compiled_region_breaks_no_graph(record, monkeypatch):
-    """On a GPU the first TAPE layer call resolves `auto` inside the compiled layer: it reads the kernel-record
-    record (a file), which torch.compile cannot trace. The decision is a constant to it instead (no graph break),
-    and it is the record's answer. (Fake sm_90 GPU; the function decides for a "cuda" device it never touches.)"""
-    fake_gpu(monkeypatch, (9, 0))
-    kernel_record.clear_cache()
-
-    def step(x: torch.Tensor) -> torch.Tensor:
-        fused = tape_fused._resolve("auto", "cuda", None, torch.bfloat16)
-        return x * 2 if fused else x * 3
-
-    explain = torch._dynamo.explain(step)(torch.ones(3))
-    assert explain.graph_break_count == 0, explain.break_reasons
-    assert tape_fused._decisions[("auto", "cuda", None, torch.bfloat16)] is True
-    torch._dynamo.reset()
-    assert torch.equal(torch.compile(step, backend="eager")(torch.ones(3)), torch.full((3,), 2.0))
-
-
 def test_loading_the_model_does_not_import_the_compiler():
-    """_resolve is marked for torch.compile without importing torch._dynamo (about 1 s of every process that loads
-    the model): that holds only while torch's decorator does no more than set the attribute that ours sets."""
+    """Nothing the model does at import or build time needs torch._dynamo (about 1 s of every process that loads
+    the model): the execution plan is plain data, resolved outside any compiled region."""
     import subprocess
     import sys
 
     code = "import sys, tapetrain.model; print('torch._dynamo' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
-
-    def marked_by_torch() -> None: ...
-
-    def marked_by_us() -> None: ...
-
-    torch.compiler.assume_constant_result(marked_by_torch)
-    constant_to_compile(marked_by_us)
-    assert vars(marked_by_torch) == vars(marked_by_us) == {"_dynamo_marked_constant": True}
