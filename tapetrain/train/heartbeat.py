@@ -259,7 +259,6 @@ def missing_ranks(beats: list[RankBeat], step: int) -> list[RankBeat]:
 
 LAUNCHER_POLL_SECONDS = 1.0
 DEEPSPEED_LAUNCH = "deepspeed.launcher.launch"  # DeepSpeed's per-node launch process: `python -m` this module
-TORCHRUN = ("torchrun", "torch.distributed.run")
 
 
 @dataclass(frozen=True)
@@ -297,6 +296,7 @@ def _command(process: psutil.Process) -> str:
 
 
 def _runs_module(process: psutil.Process, names: tuple[str, ...]) -> bool:
+    """Whether a process runs one of `names`: a module (`python -u -m NAME`) or a script (`python .../NAME`)."""
     try:
         words = process.cmdline()
     except psutil.Error:
@@ -309,8 +309,8 @@ def supervising_launchers() -> list[Launcher]:
 
     A rank of DeepSpeed's launcher: its parent (the per-node launch process) and that one's parent (the `deepspeed`
     runner, or the ssh session or wrapper script that started the launch process), which the launch process outlives
-    (the runner ends at once on SIGTERM). A rank of torchrun: torchrun. Anything else (a lone process, another
-    launcher, a shell): nothing, since a process that goes on without its parent may mean to (nohup)."""
+    (the runner ends at once on SIGTERM). Anything else (a lone process, another launcher, a shell): nothing; other
+    launchers pass signals on themselves, and a process that goes on without its parent may mean to (nohup)."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return []
     try:
@@ -318,13 +318,12 @@ def supervising_launchers() -> list[Launcher]:
         if _runs_module(parent, (DEEPSPEED_LAUNCH,)):
             grandparent = psutil.Process(parent.ppid())
             runner = (f"the `deepspeed` runner (pid {grandparent.pid})" if _runs_module(grandparent, ("deepspeed",))
-                      else f"process {grandparent.pid} (`{_command(grandparent)}`) that started it")
+                      else f"process {grandparent.pid} (`{_command(grandparent)}`), which started DeepSpeed's launch "
+                      "process of this node,")
             return [
                 Launcher(parent.pid, os.getpid(), f"DeepSpeed's launch process of this node (pid {parent.pid})"),
                 Launcher(grandparent.pid, parent.pid, runner),
             ]
-        if _runs_module(parent, TORCHRUN):
-            return [Launcher(parent.pid, os.getpid(), f"torchrun (pid {parent.pid})")]
     except psutil.Error:
         pass
     return []
