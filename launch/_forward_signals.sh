@@ -5,7 +5,8 @@
 #   finishes its step, saves a checkpoint and exits 0; then the launcher exits and so does the script (status 0).
 #
 # Why not just exec deepspeed: the `deepspeed` command is a runner that starts deepspeed.launcher.launch, which
-# starts one process per rank. SIGTERM to the runner kills it at once and leaves the ranks training as orphans;
+# starts one process per rank. SIGTERM to the runner kills it at once: the ranks notice their launcher's end within
+# a second and stop with a checkpoint, but a script waiting for the runner could not wait for that nor report it;
 # SIGTERM to launch.launch makes it SIGKILL the ranks 30 s later, whether or not their checkpoint is written. So
 # the launcher runs in its own session (a terminal's Ctrl-C reaches only this script) and the signal goes to the
 # ranks themselves: the children of each deepspeed.launcher.launch process under it. With no such process on this

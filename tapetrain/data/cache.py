@@ -217,9 +217,8 @@ class ShardCache:
                 f"data.cache_dir {self.root} cannot be created ({err}); point it at a writable node-local directory"
             ) from err
         note = os.path.join(d, "source.txt")
-        if not os.path.exists(note):
-            with open(note, "w", encoding="utf-8") as f:
-                f.write(url + "\n")
+        if not os.path.exists(note):  # whole or absent: a note cut short would never be written again
+            atomic_io.write_text(note, url + "\n")
         return d
 
     # --------------------------------------------------------------------------------------------- reads
@@ -375,6 +374,6 @@ class ShardCache:
             if lock is None:
                 continue  # open in some reader
             with lock:
-                os.remove(os.path.join(d, name))
+                _forget(d, name)  # the shard and its .verified record
             total -= size
         return total + need <= self.limit

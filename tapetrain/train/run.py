@@ -99,12 +99,14 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
     from tapetrain.errors import RunError
     from tapetrain.output_paths import check_output_dir
     from tapetrain.train.build import build_components
+    from tapetrain.train.heartbeat import supervising_launchers
     from tapetrain.train.run_lock import RunLock
     from tapetrain.train.startup import StartupClock
     from tapetrain.train.trainer import Trainer
     from tapetrain.train.wandb_mirror import require_wandb
 
     clock = StartupClock()
+    launchers = supervising_launchers()  # now, before a launcher can have gone (its ranks would be handed to init)
     cfg, config_error = _load_config_on_every_rank(config_path, overrides)
     env = init_distributed(cfg.deepspeed.timeout_minutes if cfg is not None else None)
     if not env.is_main:
@@ -142,7 +144,8 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
             env.world_size,
             components.train_batches.grad_accum_steps,
         )
-        return Trainer(components.run_config, env, components).fit()  # each checkpoint's config.yaml = the run's
+        # each checkpoint's config.yaml = the run's
+        return Trainer(components.run_config, env, components, launchers).fit()
     finally:
         lock.release(failed_start=not started)
 

@@ -17,9 +17,15 @@ from tapetrain.data.batches import read_batch
 from tapetrain.data.cache import remote_data_metrics
 from tapetrain.data.supervised import document_ids, inputs_and_labels
 from tapetrain.distributed import DistEnv, all_reduce_sum, barrier
-from tapetrain.errors import RunError, UserError
+from tapetrain.errors import RunError
 from tapetrain.train.checkpointing import TrainingProgress
-from tapetrain.train.heartbeat import Heartbeat, RankBeat, diagnose_peers
+from tapetrain.train.heartbeat import (
+    Heartbeat,
+    Launcher,
+    LauncherWatch,
+    failed_collective_error,
+    stopped_message,
+)
 from tapetrain.train.metrics import MetricsLogger, device_peak_flops, memory_gb
 from tapetrain.train.schedule import set_schedule_position
 from tapetrain.train.step_guard import StepGuard, weights_are_finite
@@ -43,9 +49,11 @@ class Trainer:
 
     `components` is what `tapetrain.train.build.build_components` returns: the DeepSpeed engine, the model config,
     the train/val batch iterators, where this start continues and the checkpoint manager that saves.
+    `launchers`: the processes that launched this rank (heartbeat.supervising_launchers(), recorded at start-up);
+    when one has ended, the run stops as on SIGTERM.
     """
 
-    def __init__(self, cfg: RunConfig, env: DistEnv, components: Components):
+    def __init__(self, cfg: RunConfig, env: DistEnv, components: Components, launchers: list[Launcher] | None = None):
         self.cfg = cfg
         self.env = env
         self.c = components
@@ -54,7 +62,8 @@ class Trainer:
         self.run_dir = Path(cfg.run.out_dir)
         self.step = components.start.step
         self.tokens = components.start.tokens
-        self.stop_signal: int | None = None
+        self.stop_reason: str | None = None  # set by a signal or a launcher's end: stop after this step
+        self.launchers = launchers or []
         self.born, self.first_step = time.perf_counter(), self.step
         self.nan_skips_in_a_row = 0
         self.skipped_steps = components.start.skipped_steps
@@ -86,14 +95,21 @@ class Trainer:
 
     def _install_signal_handlers(self) -> None:
         def request_stop(signum, _frame):
-            log.warning("received %s: will save a checkpoint after this step and exit", signal.Signals(signum).name)
-            self.stop_signal = signum
+            name = signal.Signals(signum).name
+            log.warning("received %s: will save a checkpoint after this step and exit", name)
+            self.stop_reason = self.stop_reason or f"by signal {name}"
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
 
+    def _launcher_gone(self, launcher: Launcher) -> None:
+        """From the launcher watch's thread: nothing would stop this rank any more, so stop as on SIGTERM."""
+        if self.env.local_rank == 0:  # every rank of this node sees it: one says so
+            log.warning("%s. Saving a checkpoint after this step and exiting", launcher.gone_notice())
+        self.stop_reason = self.stop_reason or "by its launcher's end"
+
     def _stop_requested(self) -> bool:
-        flag = 1.0 if self.stop_signal is not None else 0.0
+        flag = 1.0 if self.stop_reason is not None else 0.0
         return all_reduce_sum([flag], self.env.device)[0] > 0  # every rank stops at the same step
 
     # ---- one optimizer step ----------------------------------------------------------------------------------------
@@ -266,31 +282,24 @@ class Trainer:
             log.info("run already complete at step %d (train.steps=%d)", self.step, cfg.train.steps)
         # Several ranks: a heartbeat per rank, so that a collective that times out can say who did not arrive.
         heartbeat = Heartbeat(self.run_dir, self.env.rank, self.step + 1) if self.env.world_size > 1 else None
+        watch = LauncherWatch(self.launchers, self._launcher_gone).start() if self.launchers else None
         try:
             last_saved = self._train_steps(heartbeat.start() if heartbeat else None)
             self._finish(last_saved)
-        except UserError:  # says what happened (a RunError is a RuntimeError, but no lost peer)
+        except BaseException as err:
             self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
-            raise
-        except RuntimeError as err:  # torch's collective timeouts and lost peers
-            self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
-            if heartbeat is None:
-                raise
-            step = heartbeat.step
-            failure = diagnose_peers(err, self.run_dir, self.env.world_size, self.env.rank, step)
-            if failure is None:  # not a peer's failure: the error as it is
-                raise
-            if failure.kind == "dead":  # a peer that died closes its connections at once: not a timeout
-                raise self._dead_ranks_error(step, failure.ranks) from err
-            if failure.kind == "lost":
-                raise self._lost_peer_error(step, failure.ranks, err) from err
-            raise self._hung_ranks_error(step, failure.ranks) from err
-        except BaseException:
-            self.c.checkpoints.abandon_save(ABANDON_SAVE_WAIT_S)
+            # a collective that failed for a peer (dead, lost, hung) names it; anything else is raised as it is
+            step = heartbeat.step if heartbeat is not None else self.step + 1
+            peer_error = failed_collective_error(err, self.run_dir, self.env.world_size, self.env.rank, step,
+                                                 self.cfg.deepspeed.timeout_minutes)
+            if peer_error is not None:
+                raise peer_error from err
             raise
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
+            if watch is not None:
+                watch.stop()
         return 0
 
     def _finish(self, last_saved: int) -> None:
@@ -377,45 +386,10 @@ class Trainer:
                 self.save()
                 last_saved = self.step
             if stop:
-                log.warning(
-                    "stopped by signal at step %d; checkpoint saved. Resume with the same command (train.resume=auto)",
-                    self.step,
-                )
+                if self.env.is_main:
+                    log.warning("%s", stopped_message(self.step, self.stop_reason, self.run_dir))
                 break
         return last_saved
-
-    def _dead_ranks_error(self, step: int, dead: list[RankBeat]) -> RunError:
-        ranks = ", ".join(str(b.rank) for b in dead)
-        return RunError(
-            f"step {step}: rank(s) {ranks} died ({'; '.join(b.describe_dead() for b in dead)}). The job stops: find "
-            "out why in that rank's log and dmesg (the OOM killer, a SIGKILL from the scheduler, a crash), then start "
-            f"the same command again (train.resume=auto resumes from the last checkpoint in "
-            f"{self.run_dir / store.CHECKPOINTS})"
-        )
-
-    def _lost_peer_error(self, step: int, stopped: list[RankBeat], err: BaseException) -> RunError:
-        """A peer's connection closed and no process on this node is gone: a rank elsewhere died or lost its node."""
-        who = (f"rank(s) {', '.join(str(b.rank) for b in stopped)} stopped beating "
-               f"({'; '.join(b.describe() for b in stopped)})" if stopped else "no rank's heartbeat has stopped yet")
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        return RunError(
-            f"step {step}: a collective lost its connection to another rank ({first_line}); {who}. A rank on another "
-            "node most likely died or its node lost the network. The job stops: find out why in that rank's log and "
-            "its node's dmesg, then start the same command again (train.resume=auto resumes from the last checkpoint "
-            f"in {self.run_dir / store.CHECKPOINTS})"
-        )
-
-    def _hung_ranks_error(self, step: int, missing: list[RankBeat]) -> RunError:
-        """The job cannot go on without the missing ranks: name the step, the ranks and what to do."""
-        ranks = ", ".join(str(b.rank) for b in missing)
-        return RunError(
-            f"step {step}: rank(s) {ranks} did not arrive at a collective within "
-            f"deepspeed.timeout_minutes={self.cfg.deepspeed.timeout_minutes:g} "
-            f"({'; '.join(b.describe() for b in missing)}). The job stops: find out why that rank hangs or died "
-            "(a stopped process, a stuck device, a lost machine: its log, dmesg), then start the same command again "
-            f"(train.resume=auto resumes from the last checkpoint in {self.run_dir / store.CHECKPOINTS}). Raise "
-            "deepspeed.timeout_minutes if ranks legitimately wait that long (a large save)"
-        )
 
     def _work_done(self) -> str:
         """`50 steps in 1m23s` (from the process start), or `steps 26..50 in 41s` after a resume."""

@@ -6,6 +6,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -221,6 +222,48 @@ def test_a_killed_rank_is_named_as_dead_with_its_last_step(tmp_path, shard_dir):
     assert found, output[-3000:]
     step, beat_step = int(found.group(1)), int(found.group(3))
     assert step >= max(losses_so_far(out)) and beat_step >= step - 1, found.group(0)
+
+
+def test_ranks_whose_launcher_is_gone_save_and_exit(tmp_path, small_shard_dir):
+    """Issue #46: SIGTERM to the `deepspeed` runner ends it at once (it forwards no signal), and its per-node launch
+    process and the ranks trained on, unsupervised, to the last step. Now every rank sees within seconds that its
+    launcher is gone and stops as on SIGTERM: a checkpoint at the end of the step, one message, exit."""
+    out = tmp_path / "run"
+    cfg = write_config(tmp_path / "g.yaml", small_shard_dir, out, train={"steps": 5000, "save_interval": 0})
+    job = subprocess.Popen(launcher_cmd(cfg, 2), cwd=REPO, env=env(), stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(job.stdout), daemon=True)  # EOF: every writer exited
+    reader.start()
+    try:
+        deadline = time.time() + 300
+        while not losses_so_far(out):
+            assert time.time() < deadline and job.poll() is None, "the job did not start training"
+            time.sleep(0.2)
+        ranks = [psutil.Process(rank_process(job.pid, rank)) for rank in (0, 1)]
+        launch = psutil.Process(ranks[0].ppid())
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(timeout=30) == -signal.SIGTERM  # the runner is gone at once; its ranks are not
+        since = time.time()
+        _, alive = psutil.wait_procs([*ranks, launch], timeout=90)
+        elapsed = time.time() - since
+        reader.join(timeout=30)
+    finally:
+        try:
+            os.killpg(job.pid, signal.SIGKILL)  # the launch process and the ranks share the runner's group
+        except ProcessLookupError:
+            pass
+    output = "".join(lines)
+    assert not alive, f"still running {elapsed:.0f} s after the runner ended: {alive}\n{output[-3000:]}"
+    notice = f"the launcher of this rank is gone: the `deepspeed` runner (pid {job.pid}) has ended"
+    assert output.count(notice) == 1, output[-3000:]  # one rank of the node says so
+    found = re.search(r"stopped by its launcher's end at step (\d+); checkpoint saved. To resume, start the same "
+                      r"command again \(train.resume=auto", output)
+    assert found, output[-3000:]
+    saved = sorted((out / "checkpoints").glob("step_*"))
+    assert [p.name for p in saved] == [f"step_{int(found.group(1)):08d}"], saved  # complete: renamed from .tmp
+    assert (saved[0] / "manifest.json").is_file() and not (out / "DONE.json").exists()
+    assert json.loads((saved[0] / "trainer_state.json").read_text())["step"] == max(losses(out)) < 5000
 
 
 def losses_so_far(run_dir: Path) -> dict[int, float]:

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
+import psutil
+
+from tapetrain.errors import RunError
 from tapetrain.train.heartbeat import (
     HEARTBEAT_SECONDS,
     STALE_SECONDS,
     Heartbeat,
+    Launcher,
     RankBeat,
     dead_ranks,
     diagnose_peers,
+    failed_collective_error,
     heartbeat_path,
     lost_connection,
     missing_ranks,
@@ -101,3 +108,51 @@ def test_a_peer_on_another_node_that_stopped_beating_is_named_as_lost(tmp_path):
     assert hung.kind == "hung" and [b.rank for b in hung.ranks] == [1]  # no wait on a timeout
     write_beat(tmp_path, 1, 5, age_s=0.5)  # every peer beating: a bug in the step is no peer's failure
     assert diagnose_peers(RuntimeError("shapes cannot be multiplied"), tmp_path, 3, 0, step=5, wait_s=30) is None
+
+
+def test_a_bug_is_raised_as_itself_even_when_a_peer_looks_late(tmp_path):
+    """Issue #46: a RuntimeError that is neither a lost connection nor a timeout (a bug in the step) was reported as
+    a hang whenever some peer's heartbeat was stale or behind, e.g. on a busy machine."""
+    write_beat(tmp_path, 1, 5, age_s=STALE_SECONDS + 5)  # stopped beating
+    write_beat(tmp_path, 2, 4, age_s=0.5)  # behind
+    bug = RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x8 and 6x8)")
+    started = time.monotonic()
+    assert diagnose_peers(bug, tmp_path, world_size=3, rank=0, step=5, wait_s=30) is None
+    assert time.monotonic() - started < 5  # no wait for a dying peer either
+    hung = diagnose_peers(RuntimeError(GLOO_TIMEOUT), tmp_path, world_size=3, rank=0, step=5, wait_s=30)
+    assert hung.kind == "hung" and [b.rank for b in hung.ranks] == [1, 2]  # the same beats after a timeout
+
+
+def test_a_failed_collective_becomes_one_message_with_the_resume_hint(tmp_path):
+    write_beat(tmp_path, 1, 5, age_s=STALE_SECONDS + 5)
+    hung = failed_collective_error(RuntimeError(GLOO_TIMEOUT), tmp_path, 2, 0, step=5, timeout_minutes=0.2)
+    assert isinstance(hung, RunError) and str(hung).startswith("step 5: rank(s) 1 did not arrive at a collective "
+                                                               "within deepspeed.timeout_minutes=0.2 (rank 1: last")
+    assert f"start the same command again (train.resume=auto resumes from the last checkpoint in {tmp_path}" in (
+        str(hung))
+    for said_it_all in (RunError("disk full"), ValueError("bad value"), RuntimeError("shapes cannot be multiplied")):
+        assert failed_collective_error(said_it_all, tmp_path, 2, 0, step=5, timeout_minutes=0.2) is None
+    assert failed_collective_error(RuntimeError(GLOO_TIMEOUT), tmp_path, 1, 0, step=5, timeout_minutes=0.2) is None
+
+
+def test_a_launcher_that_ended_is_gone_before_it_is_reaped():
+    """A launcher's end shows as its child's new parent: at once, while the launcher is an unreaped zombie."""
+    spawn = "import subprocess, sys, time; print(subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']).pid, flush=True); time.sleep(60)"  # noqa: E501
+    launcher = subprocess.Popen([sys.executable, "-c", spawn], stdout=subprocess.PIPE, text=True)
+    child = int(launcher.stdout.readline())
+    try:
+        watched = Launcher(launcher.pid, child, "the test's launcher")
+        assert not watched.gone()
+        launcher.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not watched.gone():
+            assert time.monotonic() < deadline, "the launcher's end was not seen"
+            time.sleep(0.05)
+        while psutil.Process(launcher.pid).status() != psutil.STATUS_ZOMBIE:  # ended, and nobody has reaped it
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "the launcher of this rank is gone: the test's launcher has ended" in watched.gone_notice()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        launcher.kill()
+        launcher.wait()

@@ -10,6 +10,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -208,6 +209,45 @@ def test_cache_limit_holds_and_never_evicts_a_shard_in_use(served, tmp_path):
         held.release()
         assert sum(len(server.gets(f"/data/{n}")) for n in names) > len(names)  # evicted shards were fetched again
         ds.close()
+
+
+def test_an_evicted_shard_takes_its_record_with_it(served, tmp_path):
+    """Issue #46: eviction removed the shard but left its .verified/ record behind (a download's _forget removes
+    both), so records of shards long gone piled up in the cache."""
+    names = shard_names(served / "data")[:3]
+    size = (served / "data" / names[0]).stat().st_size
+    local = PackedDataset(str(served / "data"), SEQ)
+    with ShardServer(served) as server:
+        cache = ShardCache(str(tmp_path / "cache"), 2 * size / 1e9)  # room for two shards
+        url = server.url + "/data"
+        for i, name in enumerate(names):  # the third evicts the least recently used: the first
+            cache.pin(url, name, size, local.shards[i]["sha256"]).release()
+        d = Path(cache.source_dir(url))
+        assert [(d / n).exists() for n in names] == [False, True, True]
+        assert [(d / ".verified" / n).exists() for n in names] == [False, True, True]
+
+
+def test_the_source_note_is_whole_or_absent(tmp_path):
+    """Issue #46: the cache wrote `source.txt` (the URL a cache directory holds) with a plain open(): a write cut
+    short (here by a file size limit, as by a full disk) left half a URL there for good, since a note that exists
+    is never written again. It goes through atomic_io now: the old note or the whole new one."""
+    url = "https://data.example.org/" + "d" * 300
+    code = (
+        "import resource, signal, sys\n"
+        "from tapetrain.data.cache import ShardCache\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead\n"
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))\n"
+        "try:\n"
+        f"    ShardCache(sys.argv[1], None).source_dir({url!r})\n"
+        "except OSError as err:\n"
+        "    sys.exit(3 if 'too large' in str(err) else 4)\n"
+    )
+    cut_short = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cache")], capture_output=True, text=True)
+    assert cut_short.returncode == 3, cut_short.stderr[-2000:]  # the write failed, as a full disk's would
+    cache = ShardCache(str(tmp_path / "cache"), None)
+    note = Path(cache.source_dir(url)) / "source.txt"
+    assert note.read_text() == url + "\n"
+    assert [p.name for p in note.parent.iterdir() if p.name.endswith(".tmp")] == []
 
 
 def _read_all(url: str, cache_dir: str, seed: int) -> None:
