@@ -108,13 +108,6 @@ def run_plan_or_refusal(cfg: RunConfig, model_config: ModelConfig,
         return None, f"attention and kernels ({model_config.attn_backend!r} on {device.type}): refused ({err})"
 
 
-def attention_plan_lines(cfg: RunConfig, model_config: ModelConfig, device: torch.device | None = None) -> list[str]:
-    """The plan as --print-config shows it: one line per kind of layer (with and without TAPE's E), whether each
-    path is verified here, the E-update path; or the one line saying why the plan is refused."""
-    plan, refusal = run_plan_or_refusal(cfg, model_config, device)
-    return plan.lines(cfg.data.document_mask) if plan is not None else [refusal]
-
-
 def dry_run(cfg: RunConfig, env: DistEnv) -> int:
     """Every check of a real start (collectively, on every rank), then stop: nothing is written or locked."""
     from tapetrain.checkpoint import disk
