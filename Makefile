@@ -124,4 +124,4 @@ gpu-check:
 
 # Registers / spills / shared memory of every Triton kernel for sm_80 and sm_90a (no GPU needed).
 kernel-report: setup
-	$(BIN)/python tools/kernel_report.py --out docs/benchmarks/kernel-report.json
+	$(BIN)/python tools/kernel_report.py --candidates bf16 --out docs/benchmarks/kernel-report.json

@@ -1,22 +1,20 @@
 #!/usr/bin/env python
 """Registers, spills and shared memory of every fused kernel, for A100 and H100, without a GPU.
 
-  python tools/kernel_report.py --out R.json [--all-configs] [--archs 80,90] [--head-dims 64,128]
-  python tools/kernel_report.py --check docs/benchmarks/kernel-report.json   # stale? (no ptxas, seconds)
+  python tools/kernel_report.py --out R.json [--all-configs] [--candidates] [--archs 80,90] [--head-dims 64,128]
+  python tools/kernel_report.py --check docs/benchmarks/kernel-report.json             # stale configs? (seconds)
+  python tools/kernel_report.py --check docs/benchmarks/kernel-report.json --compile   # and every figure (ptxas)
 
-For each arch (sm_80, sm_90a) × head dim (64, 128) × dtype (bf16, fp16) × case (TAPE: values V and E with
-Dv = De = D; plain: values only) it runs the kernels' launch code on meta tensors, records the launches and the
-configs the runtime would try, compiles them for the target (tapetrain.kernels.ptx_report) and reads `ptxas -v`.
-By default only the config the runtime chooses first is compiled; --all-configs compiles the fallbacks too.
-Writes JSON records (kernel, arch, head_dim, dtype, case, config, registers, spill_store_bytes,
-spill_load_bytes, shared_bytes, shared_limit) and prints a table. Exit status 1 if any chosen config spills or
-exceeds the arch's shared memory.
-
-The TAPE state-update kernels come from the modules in KERNEL_MODULES (those that exist): each has
-`report_launches(arch, dtype) -> list[dict]` giving its launches at model shapes with the config its runtime
-chooses (record format: tapetrain.kernels.tape_mlp_update.report_launches). Their records carry `shape` (e.g.
-"llama2-7b M=32 I=128 D=128") instead of head_dim and case, and the kernel as "module._kernel_name"; --head-dims
-does not apply to them, --dtypes does.
+Every kernel module in KERNEL_MODULES has `report_launches(arch, dtype) -> list[tapetrain.kernels.launch.Launch]`:
+its launches at model shapes, run on meta tensors, with the configs its runtime would try on that arch. For each arch
+(sm_80, sm_90a) and dtype (bf16, fp16) this compiles them for the target (tapetrain.kernels.ptx_report) and reads
+`ptxas -v`. By default only the config the runtime tries first is compiled; --all-configs compiles the fallbacks
+too; --candidates the tuning candidates a launch carries (the TAPE attention kernels' Hopper search space, for
+tools/tune_attention.py to time the zero-spill ones). Records: kernel ("module.kernel_function"), arch, dtype, the
+launch's labels (head_dim and case for attention, shape for the state-update kernels), config (BLOCK_*, num_warps,
+num_stages), chosen (the runtime's first config), candidate, registers, spill_store_bytes, spill_load_bytes,
+stack_frame_bytes, shared_bytes, shared_limit. Prints a table; exit status 1 if any chosen config spills or exceeds
+the arch's shared memory. --head-dims filters the attention launches; the others have no head-dim label.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -33,155 +30,163 @@ os.environ.pop("TRITON_INTERPRET", None)  # compile for real GPU targets, not th
 
 import torch  # noqa: E402 - after the TRITON_INTERPRET reset
 
+from tapetrain import atomic_io  # noqa: E402
 from tapetrain.kernels import ptx_report  # noqa: E402
-from tapetrain.kernels import tape_attention as km  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Modules with report_launches(arch, dtype); the optional ones are reported when present.
 KERNEL_MODULES = (
+    "tapetrain.kernels.tape_attention",
     "tapetrain.kernels.tape_mlp_update",
     "tapetrain.kernels.tape_rotation",
     "tapetrain.kernels.tape_head_mix",
 )
-REQUIRED_MODULES = ("tapetrain.kernels.tape_mlp_update",)
-KERNEL_NAMES = {"fwd": "_fwd_kernel", "dq": "_bwd_dq_kernel", "dkdv": "_bwd_dkdv_kernel", "de": "_bwd_dkdv_kernel:de"}
+FIGURES = ("registers", "spill_store_bytes", "spill_load_bytes", "shared_bytes")
 
 
-def launches(arch: int, head_dim: int, dtype: torch.dtype, tape: bool) -> list[dict]:
-    """The kernel launches of one forward + backward at a representative training shape, on meta tensors, in the
-    token-major layout the model uses (B, T, H, D memory viewed as B, H, T, D)."""
-    b, h, t = 2, 16, 1024
-
-    def tensor() -> torch.Tensor:
-        return torch.empty(b, t, h, head_dim, device="meta", dtype=dtype).transpose(1, 2)
-
-    q, k, v, do = tensor(), tensor(), tensor(), tensor()
-    e, doe = (tensor(), tensor()) if tape else (None, None)
-    capture = km.capture_launches(arch)
-    try:
-        scale = 1.0 / math.sqrt(head_dim)
-        o, oe, lse = km._forward(q, k, v, e, True, scale)
-        km._backward_impl(q, k, v, e, o, oe, lse, do, doe, True, scale, (True, True, True, tape))
-    finally:
-        km.stop_capture()
-    return capture.launches
+def arch_name(arch: int) -> str:
+    return ptx_report.PTXAS_NAME[arch]
 
 
-def jobs_of(archs: list[int], head_dims: list[int], dtypes: list[str], all_configs: bool) -> list[tuple]:
-    """(arch, D, dtype, tape, launch, rank, config) for every launch of every case; rank 0 = the chosen config."""
-    jobs = []
-    for arch in archs:
-        for d in head_dims:
-            for dt in dtypes:
-                for tape in (True, False):
-                    for launch in launches(arch, d, DTYPES[dt], tape):
-                        cfgs = launch["configs"] if all_configs else launch["configs"][:1]
-                        for rank, cfg in enumerate(cfgs):
-                            jobs.append((arch, d, dt, tape, launch, rank, cfg))
-    return jobs
-
-
-def kernel_modules() -> list:
-    """The KERNEL_MODULES that exist (an optional one that is absent is skipped; any other import error is raised)."""
+def captured(archs: list[int], dtypes: list[str], head_dims: list[int]) -> list[tuple[str, int, str, object]]:
+    """(module short name, arch, dtype, Launch) for every launch of every kernel module."""
     found = []
     for name in KERNEL_MODULES:
-        try:
-            found.append(importlib.import_module(name))
-        except ModuleNotFoundError as err:
-            if err.name != name or name in REQUIRED_MODULES:
-                raise
+        module = importlib.import_module(name)
+        for arch in archs:
+            for dt in dtypes:
+                for launch in module.report_launches(arch, DTYPES[dt]):
+                    if launch.labels.get("head_dim", head_dims[0]) in head_dims:
+                        found.append((name.rsplit(".", 1)[-1], arch, dt, launch))
     return found
 
 
-def module_jobs(archs: list[int], dtypes: list[str]) -> list[tuple[int, str, str, dict]]:
-    """(arch, dtype, module short name, launch record) for every launch of every kernel module."""
-    return [
-        (arch, dt, mod.__name__.rsplit(".", 1)[-1], launch)
-        for mod in kernel_modules()
-        for arch in archs
-        for dt in dtypes
-        for launch in mod.report_launches(arch, DTYPES[dt])
-    ]
+def jobs_of(launches: list[tuple], all_configs: bool, candidate_dtypes: list[str]) -> list[tuple]:
+    """(module, arch, dtype, launch, config) to compile: the chosen config of each launch, its fallbacks if
+    all_configs, its candidates in candidate_dtypes (each config once)."""
+    jobs = []
+    for module, arch, dt, launch in launches:
+        configs = launch.configs if all_configs else launch.configs[:1]
+        configs = configs + (launch.candidates if dt in candidate_dtypes else [])
+        for config in dict.fromkeys(configs):
+            jobs.append((module, arch, dt, launch, config))
+    return jobs
 
 
-def module_identity(arch: int, dt: str, module: str, launch: dict) -> dict:
-    """A kernel module record without compiler output: its BLOCK_* constants, warps and stages are the config."""
-    blocks = {k: v for k, v in launch["consts"].items() if k.startswith("BLOCK")}
-    return {
-        "kernel": f"{module}.{launch['name']}",
-        "arch": f"sm_{arch}" + ("a" if arch == 90 else ""),
-        "shape": launch["shape"],
-        "dtype": dt,
-        "config": {**blocks, "num_warps": launch["num_warps"], "num_stages": launch["num_stages"]},
-        "chosen": True,
-    }
-
-
-def identity(arch: int, d: int, dt: str, tape: bool, launch: dict, rank: int, cfg: tuple) -> dict:
+def identity(module: str, arch: int, dt: str, launch, config) -> dict:
     """What a record says about which kernel ran where with which launch config (no compiler output)."""
-    bm, bn, warps, stages = cfg
     return {
-        "kernel": KERNEL_NAMES[launch["kind"]],
-        "arch": f"sm_{arch}" + ("a" if arch == 90 else ""),
-        "head_dim": d,
+        "kernel": f"{module}.{launch.name}",
+        "arch": arch_name(arch),
         "dtype": dt,
-        "case": "tape" if tape else "plain",
-        "config": {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages},
-        "chosen": rank == 0,
+        **launch.labels,
+        "config": config.as_dict(),
+        "chosen": config == launch.configs[0],
+        "candidate": config in launch.candidates,
     }
 
 
-def report(archs: list[int], head_dims: list[int], dtypes: list[str], all_configs: bool) -> list[dict]:
+def compile_job(job: tuple) -> dict:
+    """The job's record with ptxas' figures."""
+    module, arch, dt, launch, config = job
+    consts = dict(launch.consts, **dict(config.blocks))
+    ptx, shared = ptx_report.compile_ptx(launch.kernel, launch.args, consts, arch, config.num_warps, config.num_stages)
+    res = ptx_report.ptxas_resources(ptx, arch, shared)
+    return {**identity(*job), **res.to_dict(), "shared_limit": ptx_report.SHARED_LIMIT[arch]}
+
+
+def report(archs: list[int], head_dims: list[int], dtypes: list[str], all_configs: bool,
+           candidate_dtypes: list[str]) -> list[dict]:  # fmt: skip
     from tqdm import tqdm
 
-    records = []
-    for job in tqdm(jobs_of(archs, head_dims, dtypes, all_configs), desc="compile + ptxas", leave=False):
-        arch, _, _, _, launch, _, (bm, bn, warps, stages) = job
-        consts = dict(launch["consts"], BLOCK_M=bm, BLOCK_N=bn)
-        ptx, shared = ptx_report.compile_ptx(launch["kernel"], launch["args"], consts, arch, warps, stages)
-        res = ptx_report.ptxas_resources(ptx, arch, shared)
-        records.append({**identity(*job), **res.to_dict(), "shared_limit": ptx_report.SHARED_LIMIT[arch]})
-    for job in tqdm(module_jobs(archs, dtypes), desc="state-update kernels", leave=False):
-        arch, launch = job[0], job[3]
-        ptx, shared = ptx_report.compile_ptx(launch["kernel"], launch["args"], launch["consts"], arch,
-                                             launch["num_warps"], launch["num_stages"])  # fmt: skip
-        res = ptx_report.ptxas_resources(ptx, arch, shared)
-        records.append({**module_identity(*job), **res.to_dict(), "shared_limit": ptx_report.SHARED_LIMIT[arch]})
-    return records
+    jobs = jobs_of(captured(archs, dtypes, head_dims), all_configs, candidate_dtypes)
+    return [compile_job(job) for job in tqdm(jobs, desc="compile + ptxas", leave=False)]
+
+
+def launch_key(r: dict) -> tuple:
+    """A launch in a report: kernel, arch, dtype and its labels (everything but the config and the figures)."""
+    labels = tuple((k, r[k]) for k in r if k not in {"kernel", "arch", "dtype", "config", "chosen", "candidate",
+                                                    "shared_limit", "stack_frame_bytes", *FIGURES})  # fmt: skip
+    return (r["kernel"], r["arch"], r["dtype"], *labels)
+
+
+def record_key(r: dict) -> tuple:
+    return (*launch_key(r), config_text(r["config"]))
+
+
+def key_text(key: tuple) -> str:
+    return " ".join([*key[:3], *(f"{k}={v}" for k, v in key[3:])])
+
+
+def config_text(config: dict) -> str:
+    return ",".join(str(v) for v in config.values())
+
+
+def scope_of(records: list[dict]) -> tuple[list[int], list[str], list[int]]:
+    """The archs, dtypes and head dims a report covers."""
+    archs = sorted({int(r["arch"][3:5]) for r in records})
+    dtypes = sorted({r["dtype"] for r in records})
+    head_dims = sorted({r["head_dim"] for r in records if "head_dim" in r}) or [0]
+    return archs, dtypes, head_dims
 
 
 def stale_records(path: Path) -> list[str]:
-    """Differences between a report's chosen configs and the ones the runtime table chooses today, for the archs,
-    head dims and dtypes the report covers (launch code on meta tensors only: no compiler, no ptxas, seconds)."""
-    chosen = [r for r in json.loads(path.read_text())["records"] if r["chosen"]]
-    recorded = [
-        {key: r[key] for key in ("kernel", "arch", "head_dim", "dtype", "case", "config", "chosen")}
-        for r in chosen
-        if "head_dim" in r
-    ]
-    recorded += [
-        {key: r[key] for key in ("kernel", "arch", "shape", "dtype", "config", "chosen")}
-        for r in chosen
-        if "shape" in r
-    ]
-    archs = sorted({int(r["arch"][3:5]) for r in chosen})
-    head_dims = sorted({r["head_dim"] for r in recorded if "head_dim" in r})
-    dtypes = sorted({r["dtype"] for r in chosen})
-    current = [identity(*job) for job in jobs_of(archs, head_dims, dtypes, all_configs=False)]
-    current += [module_identity(*job) for job in module_jobs(archs, dtypes)]
+    """Differences between a report's configs (chosen and candidates) and the ones the runtime gives today, for the
+    archs, head dims and dtypes the report covers (launch code on meta tensors only: no compiler, seconds)."""
+    report = json.loads(path.read_text())
+    records = report["records"]
+    current = [identity(*job) for job in jobs_of(captured(*scope_of(records)), False, list(DTYPES))]
+    candidate_dtypes = set(report.get("candidate_dtypes", []))
+    problems_found = []
+    if any(r["candidate"] for r in current) and not candidate_dtypes:
+        problems_found.append("the report lists no tuning candidates (generate it with --candidates bf16)")
+    for role in ("chosen", "candidate"):
+        # candidates: only in the dtypes the report searched (a chosen config is a candidate in every dtype)
+        def covers(r: dict, role: str = role) -> bool:
+            return bool(r.get(role)) and (role == "chosen" or r["dtype"] in candidate_dtypes)
 
-    def key(r: dict) -> tuple:
-        if "shape" in r:
-            return r["kernel"], r["arch"], r["shape"], r["dtype"]
-        return r["kernel"], r["arch"], r["head_dim"], r["dtype"], r["case"]
+        then = _configs_by_launch([r for r in records if covers(r)])
+        now = _configs_by_launch([r for r in current if covers(r)])
+        for key in then.keys() | now.keys():
+            if key not in now:
+                problems_found.append(f"{key_text(key)}: in the report, no longer launched")
+            elif key not in then:
+                what = "launched" if role == "chosen" else f"{len(now[key])} candidates launched"
+                problems_found.append(f"{key_text(key)}: {what}, missing from the report")
+            elif sorted(map(config_text, then[key])) != sorted(map(config_text, now[key])):
+                if role == "chosen":
+                    problems_found.append(f"{key_text(key)}: report {then[key][0]}, runtime {now[key][0]}")
+                else:
+                    gone = [config_text(c) for c in then[key] if c not in now[key]]
+                    new = [config_text(c) for c in now[key] if c not in then[key]]
+                    problems_found.append(f"{key_text(key)}: candidates differ (report only: {gone}; runtime "
+                                          f"only: {new})")  # fmt: skip
+    return sorted(set(problems_found))
 
-    now = {key(r): r["config"] for r in current}
-    then = {key(r): r["config"] for r in recorded}
-    problems_found = [f"{' '.join(map(str, k))}: report {then[k]}, runtime {now[k]}" for k in then if k in now and
-                      then[k] != now[k]]
-    problems_found += [f"{' '.join(map(str, k))}: in the report, no longer launched" for k in then if k not in now]
-    problems_found += [f"{' '.join(map(str, k))}: launched, missing from the report" for k in now if k not in then]
-    return problems_found
+
+def _configs_by_launch(records: list[dict]) -> dict[tuple, list[dict]]:
+    found: dict[tuple, list[dict]] = {}
+    for r in records:
+        found.setdefault(launch_key(r), []).append(r["config"])
+    return found
+
+
+def changed_figures(path: Path) -> list[str]:
+    """Every record of the report whose config the runtime still launches, compiled again: the ones whose registers,
+    spills or shared memory differ (ptxas; minutes without triton's cache)."""
+    from tqdm import tqdm
+
+    records = json.loads(path.read_text())["records"]
+    jobs = {record_key(identity(*job)): job for job in jobs_of(captured(*scope_of(records)), True, list(DTYPES))}
+    found = []
+    for r in tqdm(records, desc="compile + ptxas", leave=False):
+        job = jobs.get(record_key(r))
+        if job is None:
+            continue  # no longer launched: stale_records names it
+        now = compile_job(job)
+        diff = [f"{k} {r[k]} -> {now[k]}" for k in FIGURES if r[k] != now[k]]
+        if diff:
+            found.append(f"{key_text(launch_key(r))} config {config_text(r['config'])}: {', '.join(diff)}")
+    return found
 
 
 def problems(records: list[dict]) -> list[dict]:
@@ -193,32 +198,15 @@ def problems(records: list[dict]) -> list[dict]:
 
 
 def table(records: list[dict]) -> str:
-    head = f"{'kernel':17s} {'arch':7s} {'D':>4s} {'dtype':5s} {'case':5s} {'config (BM,BN,w,s)':19s} " \
-           f"{'regs':>4s} {'spill st/ld':>12s} {'smem KB':>8s}"  # fmt: skip
-    lines = [head, "-" * len(head)]
-    for r in records:
-        if "shape" in r:
-            continue
-        c = r["config"]
-        cfg = f"({c['BLOCK_M']},{c['BLOCK_N']},{c['num_warps']},{c['num_stages']})" + ("" if r["chosen"] else " fb")
-        lines.append(
-            f"{r['kernel']:17s} {r['arch']:7s} {r['head_dim']:4d} {r['dtype']:5s} {r['case']:5s} {cfg:19s} "
-            f"{r['registers']:4d} {r['spill_store_bytes']:>5d}/{r['spill_load_bytes']:<6d} "
-            f"{r['shared_bytes'] / 1024:8.1f}"
-        )
-    modules = [r for r in records if "shape" in r]
-    if modules:
-        head = f"{'kernel':34s} {'arch':7s} {'shape':30s} {'dtype':5s} {'config (BT,BI,w,s)':19s} " \
-               f"{'regs':>4s} {'spill st/ld':>12s} {'smem KB':>8s}"  # fmt: skip
-        lines += ["", head, "-" * len(head)]
-        for r in modules:
-            c = r["config"]
-            cfg = f"({c.get('BLOCK_T', '-')},{c.get('BLOCK_I', '-')},{c['num_warps']},{c['num_stages']})"
-            lines.append(
-                f"{r['kernel']:34s} {r['arch']:7s} {r['shape']:30s} {r['dtype']:5s} {cfg:19s} {r['registers']:4d} "
-                f"{r['spill_store_bytes']:>5d}/{r['spill_load_bytes']:<6d} {r['shared_bytes'] / 1024:8.1f}"
-            )
-    return "\n".join(lines)
+    """One line per record; flags: * = the runtime's chosen config, c = a tuning candidate."""
+    rows = [(r["kernel"], r["arch"], r["dtype"], " ".join(str(v) for _, v in launch_key(r)[3:]),
+             config_text(r["config"]), ("*" if r["chosen"] else "") + ("c" if r["candidate"] else ""),
+             str(r["registers"]), f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
+             f"{r['shared_bytes'] / 1024:.1f}") for r in records]  # fmt: skip
+    head = ("kernel", "arch", "dtype", "launch", "config (BLOCK_*,w,s)", "", "regs", "spill st/ld", "smem KB")
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in [head, *rows]]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,37 +216,41 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--head-dims", default="64,128")
     p.add_argument("--dtypes", default="bf16,fp16")
     p.add_argument("--all-configs", action="store_true", help="also compile the fallback configs")
+    p.add_argument("--candidates", default="", metavar="DTYPES",
+                   help="also compile the launches' tuning candidates in these dtypes (e.g. bf16)")
     p.add_argument("--check", type=Path, metavar="REPORT",
-                   help="only compare REPORT's chosen configs with the runtime's (no ptxas); exit 1 when stale")
+                   help="compare REPORT's chosen and candidate configs with the runtime's (no ptxas); exit 1 when "
+                        "stale")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="with --check: also compile every record again and compare registers, spills, shared memory")
     args = p.parse_args(argv)
     if args.check:
         stale = stale_records(args.check)
+        if args.compile and not stale:
+            stale = changed_figures(args.check)
         for line in stale:
             print(line)
         if stale:
-            print(f"{args.check} is stale ({len(stale)} difference(s)); regenerate it: python tools/kernel_report.py "
-                  f"--out {args.check}")
+            print(f"{args.check} is stale ({len(stale)} difference(s)); regenerate it: make kernel-report")
             return 1
-        print(f"{args.check}: every chosen config is the runtime's")
+        checked = "configs and figures" if args.compile else "chosen and candidate configs"
+        print(f"{args.check}: its {checked} are the runtime's")
         return 0
     if not ptx_report.find_ptxas():
         print("kernel_report: no ptxas in the triton wheel; install triton (pip install triton)", file=sys.stderr)
         return 2
-    records = report(
-        [int(x) for x in args.archs.split(",")],
-        [int(x) for x in args.head_dims.split(",")],
-        args.dtypes.split(","),
-        args.all_configs,
-    )
+    dtypes = args.dtypes.split(",")
+    candidate_dtypes = [dt for dt in args.candidates.split(",") if dt]
+    records = report([int(x) for x in args.archs.split(",")], [int(x) for x in args.head_dims.split(",")], dtypes,
+                     args.all_configs, candidate_dtypes)  # fmt: skip
     print(table(records))
     bad = problems(records)
     import triton
 
     if args.out:
-        result = {"triton": triton.__version__, "records": records, "problems": len(bad)}
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.out)
+        result = {"triton": triton.__version__, "candidate_dtypes": candidate_dtypes, "records": records,
+                  "problems": len(bad)}  # fmt: skip
+        atomic_io.write_text(args.out, json.dumps(result, indent=1))
         print(f"wrote {args.out}")
     if bad:
         print(f"{len(bad)} chosen config(s) spill registers or exceed shared memory")

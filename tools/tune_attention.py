@@ -3,17 +3,18 @@
 
   python tools/tune_attention.py [--head-dims 64,128] [--dtypes bf16] [--seq-len 4096] [--out R.json]
 
-Each kernel (fwd, dq, dkdv) is timed on its own (triton.testing.do_bench, median) for every candidate
+Each kernel (fwd, dq, dkdv, de) is timed on its own (triton.testing.do_bench, median) for every candidate
 (BLOCK_M, BLOCK_N, num_warps, num_stages), the other kernels untouched; configs that do not fit the GPU are
-recorded as such. The winners are what tapetrain/kernels/tape_attention.py's config table should list first.
-A time budget per (head dim, dtype) keeps the sweep inside a short GPU lease: candidates are ordered so the
-likely winners come first.
+recorded as such. The candidates are tape_attention.HOPPER_CANDIDATES; on Hopper only those that the kernel report
+(--report, docs/benchmarks/kernel-report.json, made with --candidates) found free of register spills and within
+shared memory for sm_90a at that head dim and dtype. The winners are what tapetrain/kernels/tape_attention.py's
+config table should list first. A time budget per (kernel, head dim, dtype) keeps the sweep inside a short GPU
+lease: candidates are ordered so the likely winners come first.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import math
 import sys
@@ -22,19 +23,35 @@ from pathlib import Path
 
 import torch
 
+from tapetrain import atomic_io
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def candidates(kind: str) -> list[tuple[int, int, int, int]]:
-    if kind == "fwd":
-        grid = itertools.product((128, 64), (64, 128, 32), (8, 4), (3, 2, 4))
-    elif kind == "dq":
-        grid = itertools.product((64, 128, 32), (64, 32, 128), (4, 8), (2, 1, 3))
-    elif kind == "de":  # the separate de pass at D = 128: one accumulator per key tile
-        grid = itertools.product((64, 32, 128), (128, 64), (8, 4), (3, 2))
-    else:  # dkdv: one program per key tile walks the query tiles
-        grid = itertools.product((32, 64, 16), (64, 128, 32), (4, 8), (2, 1, 3))
-    return [tuple(c) for c in grid]
+REPORT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "kernel-report.json"
+
+
+def as_tuple(config: dict) -> tuple[int, int, int, int]:
+    return config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"]
+
+
+def candidates(kind: str, arch: int, d: int, dtype_name: str, report: Path) -> list[tuple[int, int, int, int]]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) to time for `kind` at head dim d (TAPE case), likely winners
+    first: on Hopper the zero-spill HOPPER_CANDIDATES of the kernel report, elsewhere all of them."""
+    from tapetrain.kernels import tape_attention as km
+
+    every = [as_tuple(c.as_dict()) for c in km.HOPPER_CANDIDATES[kind]]
+    if arch // 10 != 9:
+        return every
+    kernel = f"tape_attention.{km.LAUNCH_NAMES[kind]}"
+    records = [r for r in json.loads(report.read_text())["records"] if r.get("candidate") and r["kernel"] == kernel
+               and r["arch"] == "sm_90a" and r["head_dim"] == d and r["dtype"] == dtype_name and r["case"] == "tape"]
+    if not records:
+        print(f"{report}: no sm_90a candidates for {kind} D={d} {dtype_name}; timing all {len(every)}", flush=True)
+        return every
+    fits = {as_tuple(r["config"]) for r in records if not (r["spill_store_bytes"] or r["spill_load_bytes"])
+            and r["shared_bytes"] <= r["shared_limit"]}  # fmt: skip
+    return [c for c in every if c in fits]
 
 
 def attention_flops(kind: str, b: int, h: int, t: int, d: int) -> float:
@@ -77,7 +94,7 @@ def sweep(d: int, dtype_name: str, args: argparse.Namespace) -> dict:
     records = []
     for kind, fn in runs.items():
         deadline = time.monotonic() + args.budget_s
-        for cfg in candidates(kind):
+        for cfg in candidates(kind, arch, d, dtype_name, args.report):
             if time.monotonic() > deadline:
                 break
             km.force_config(kind, cfg)
@@ -107,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--budget-s", type=float, default=40.0, help="seconds per (kernel, head dim, dtype)")
     p.add_argument("--kernels", type=lambda x: x.split(","), default=["fwd", "dq", "dkdv", "de"])
+    p.add_argument("--report", type=Path, default=REPORT, help="kernel report with the candidates' ptxas figures")
     p.add_argument("--out", type=Path)
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -123,9 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             for kind, rec in run["best"].items():
                 print(f"best D={d} {dt} {kind}: {rec['config']} {rec['ms']:.3f} ms {rec['tflops']:.0f} TFLOP/s")
     if args.out:
-        tmp = args.out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1))
-        tmp.replace(args.out)
+        atomic_io.write_text(args.out, json.dumps(result, indent=1))
     return 0
 
 

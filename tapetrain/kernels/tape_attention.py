@@ -39,13 +39,14 @@ Constraints / notes:
 
 from __future__ import annotations
 
+import itertools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
+
+from tapetrain.kernels.launch import KernelLauncher, Launch, LaunchConfig, dot_precision, interpreting, pad_for_dot
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -419,49 +420,34 @@ def _bwd_dq_kernel(
 # Launch configuration
 # --------------------------------------------------------------------------------------------------------------
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages), in order of preference; later ones are fallbacks tried when the
-# compiler reports OutOfResources (shared memory / registers). Untuned guesses: tools/benchmark.py measures.
-_Config = tuple[int, int, int, int]
-_chosen: dict[tuple, _Config] = {}
-_forced: dict[str, _Config] = {}  # kind -> config, set by force_config (tuning sweeps)
+_launcher = KernelLauncher("tape_attention", _fwd_kernel)
+# the kernel report's name of each launch kind (de: the dk/dv kernel's separate de pass)
+LAUNCH_NAMES = {"fwd": "_fwd_kernel", "dq": "_bwd_dq_kernel", "dkdv": "_bwd_dkdv_kernel", "de": "_bwd_dkdv_kernel:de"}
+_forced: dict[str, LaunchConfig] = {}  # kind -> config, set by force_config (tuning sweeps)
 
 
-def force_config(kind: str, config: _Config | None) -> None:
-    """Use `config` for every launch of `kind` (fwd | dkdv | de | dq) until reset with None; for tuning sweeps."""
-    if kind not in ("fwd", "dkdv", "de", "dq"):
+def _config(block_m: int, block_n: int, num_warps: int, num_stages: int) -> LaunchConfig:
+    return LaunchConfig.of(num_warps, num_stages, BLOCK_M=block_m, BLOCK_N=block_n)
+
+
+def force_config(kind: str, config: tuple[int, int, int, int] | None) -> None:
+    """Use `config` (BLOCK_M, BLOCK_N, num_warps, num_stages) for every launch of `kind` (fwd | dkdv | de | dq)
+    until reset with None; for tuning sweeps."""
+    if kind not in LAUNCH_NAMES:
         raise ValueError(f"unknown kernel kind {kind!r}; choose fwd, dkdv, de or dq")
     if config is None:
         _forced.pop(kind, None)
     else:
-        _forced[kind] = tuple(config)
-    _chosen.clear()
+        _forced[kind] = _config(*config)
+    _launcher.forget_chosen()
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def _check_interpreter_ready() -> None:
-    """Under TRITON_INTERPRET=1, triton's own @jit library functions (tl.zeros since triton 3.9) must have been
-    built for the interpreter, i.e. triton imported after the variable was set; else the interpreter fails deep in
-    the kernel with "Cannot call @triton.jit'd outside of the scope of a kernel"."""
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    stale = [f for f in (getattr(tl, "zeros", None), getattr(tl, "cdiv", None)) if isinstance(f, JITFunction)]
-    if any(not isinstance(f, InterpretedFunction) for f in stale) or not isinstance(_fwd_kernel, InterpretedFunction):
-        raise RuntimeError(
-            "TRITON_INTERPRET=1 was set after triton was imported (DeepSpeed, transformers and torch.compile import "
-            "it), so triton's library functions were built for the GPU compiler, not the CPU interpreter; set "
-            "TRITON_INTERPRET=1 in the environment before anything imports triton (e.g. on the command line)"
-        )
-
-
-# Launch configs per (arch, kernel, padded head dim), in order of preference: the first is the fastest measured on
-# that arch (tools/tune_attention.py on an H100 for sm_90) among those with zero register spills on it (ptxas,
-# tools/kernel_report.py); later ones are fallbacks for GPUs with less shared memory. sm_80's rows are chosen for zero
-# spills and A100's 164 KB of shared memory (no A100 measurement yet). `e` = the TAPE case (values V and E).
-_TABLE: dict[tuple[int, str, int], list[_Config]] = {
+# Launch configs (BLOCK_M, BLOCK_N, num_warps, num_stages) per (arch family, kernel, padded head dim), in order of
+# preference: the first is the fastest measured on that arch (tools/tune_attention.py on an H100 for sm_90) among
+# those with zero register spills on it (ptxas, tools/kernel_report.py); later ones are fallbacks, tried when the
+# compiler reports OutOfResources (GPUs with less shared memory). sm_80's rows are chosen for zero spills and A100's
+# 164 KB of shared memory (no A100 measurement yet).
+_TABLE: dict[tuple[int, str, int], list[tuple[int, int, int, int]]] = {
     # ---- Hopper (sm_90): H100 measurements, bf16, B·H = 32, T = 4096 (docs/benchmarks/gpu/)
     (90, "fwd", 64): [(64, 64, 4, 3), (64, 64, 4, 2)],
     (90, "fwd", 128): [(128, 64, 8, 3), (64, 64, 8, 2)],
@@ -479,100 +465,61 @@ _TABLE: dict[tuple[int, str, int], list[_Config]] = {
     (80, "dkdv", 128): [(32, 64, 8, 2), (16, 64, 4, 2)],
     (80, "de", 128): [(64, 64, 4, 2), (32, 64, 4, 2)],
 }
-_FALLBACK: list[_Config] = [(32, 32, 4, 1), (16, 16, 4, 1)]
+_FALLBACK = [(32, 32, 4, 1), (16, 16, 4, 1)]
+
+# The Hopper search space of the TAPE case (values V and E, value width 2D) at head dims 64 and 128, 16-bit: the
+# table's Hopper choices first (the baseline), then a grid of tiles × warps. The kernel report compiles every
+# candidate for sm_90a and records its registers and spills (docs/benchmarks/kernel-report.json, "candidate": true);
+# tools/tune_attention.py times the zero-spill ones on a GPU, and the fastest of those per kernel is what the table's
+# Hopper rows should list first. The grid is small because each candidate costs a compile (seconds) per head dim.
+_HOPPER_GRID = {
+    "fwd": ((128, 64), (64, 32), (8, 4), (3,)),
+    "dq": ((128, 64), (64, 32), (8, 4), (2,)),
+    "dkdv": ((32, 64), (64, 128), (4, 8), (2,)),
+    "de": ((32, 64), (64, 128), (4, 8), (3,)),  # the separate de pass (D = 128)
+}
+HOPPER_CANDIDATES: dict[str, list[LaunchConfig]] = {
+    kind: list(dict.fromkeys(
+        [_config(*_TABLE[90, kind, d][0]) for d in (64, 128) if (90, kind, d) in _TABLE]
+        + [_config(*c) for c in itertools.product(*grid)]
+    ))
+    for kind, grid in _HOPPER_GRID.items()
+}  # fmt: skip
 
 
 def _split_de(arch: int, block_d: int, dtype: torch.dtype) -> bool:
     """Whether de gets its own backward pass: where the table lists a "de" config (16-bit, large head dims)."""
-    if _interpreting() or dtype == torch.float32:
+    if interpreting() or dtype == torch.float32:
         return False
     return (_family(arch), "de", min(max(block_d, 64), 128)) in _TABLE
 
 
 def _family(arch: int) -> int:
-    return 90 if arch >= 90 else 80  # Ada (89) and Ampere share sm_80's register file and shared-memory budget
+    """The table rows for compute capability `arch`: Hopper's on 9.x (chosen by ptxas for sm_90a and timed on the
+    H100); sm_80's elsewhere (Ampere and Ada share its register file; on newer archs neither was measured, and
+    sm_80's ask for less shared memory)."""
+    return 90 if arch // 10 == 9 else 80
 
 
-def _arch_of(x: torch.Tensor) -> int:
-    """Compute capability of x's GPU as 10·major + minor (the capture's target while recording launches)."""
-    if _capture is not None:
-        return _capture.arch
-    if _interpreting():
-        return 0
-    major, minor = torch.cuda.get_device_capability(x.device)
-    return 10 * major + minor
-
-
-def _configs(kind: str, arch: int, block_d: int, dtype: torch.dtype) -> list[_Config]:
-    """Configs to try for kernel `kind` (fwd | dkdv | dq) on compute capability `arch` (e.g. 90) at padded head
-    dim `block_d`; 16-bit inputs use the table, fp32 (twice the registers per element) small tiles."""
-    if _interpreting():
-        return [(16, 16, 1, 1)]
+def _configs(kind: str, arch: int, block_d: int, dtype: torch.dtype) -> list[LaunchConfig]:
+    """Configs to try for kernel `kind` (fwd | dkdv | de | dq) on compute capability `arch` (e.g. 90) at padded
+    head dim `block_d`; 16-bit inputs use the table, fp32 (twice the registers per element) small tiles."""
+    if kind in _forced:
+        return [_forced[kind]]
+    if interpreting():
+        return [_config(16, 16, 1, 1)]
     if dtype == torch.float32:
-        return [(64, 32, 4, 2), (32, 32, 4, 1)] + _FALLBACK
-    key = (_family(arch), kind, min(max(block_d, 64), 128))
-    return _TABLE[key] + _FALLBACK
-
-
-class _Capture:
-    """Records launches instead of running them (tools/kernel_report.py compiles them for a target arch)."""
-
-    def __init__(self, arch: int):
-        self.arch = arch
-        self.launches: list[dict] = []
-
-
-_capture: _Capture | None = None
-
-
-def capture_launches(arch: int) -> _Capture:
-    """Start recording the launches of _forward/_backward_impl (called on meta tensors) for `arch`; stop with
-    stop_capture(). Each record holds the kernel, its arguments and the configs the runtime would try, in order."""
-    global _capture
-    _capture = _Capture(arch)
-    return _capture
-
-
-def stop_capture() -> None:
-    global _capture
-    _capture = None
+        rows = [(64, 32, 4, 2), (32, 32, 4, 1)] + _FALLBACK
+    else:
+        rows = _TABLE[_family(arch), kind, min(max(block_d, 64), 128)] + _FALLBACK
+    return [_config(*row) for row in rows]
 
 
 def _launch(kernel, kind: str, key: tuple, grid_of, block_d: int, dtype: torch.dtype, *args, **consts) -> None:
     """Launch with the first config that compiles for this key; grid_of(BLOCK_M, BLOCK_N) -> grid."""
-    if _capture is not None:
-        cfgs = _configs(kind, _capture.arch, block_d, dtype)
-        _capture.launches.append(dict(kernel=kernel, kind=kind, args=args, consts=consts, configs=cfgs))
-        return
-    cfgs = _configs(kind, _arch_of(args[0]), block_d, dtype)
-    if kind in _forced:
-        cfgs = [_forced[kind]]
-    elif key in _chosen:
-        cfgs = [_chosen[key]]
-    last: Exception | None = None
-    for bm, bn, warps, stages in cfgs:
-        grid = grid_of(bm, bn)
-        if 0 in grid:
-            return
-        try:
-            kernel[grid](*args, **consts, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, num_stages=stages)
-        except OutOfResources as err:
-            last = err
-            continue
-        _chosen[key] = (bm, bn, warps, stages)
-        return
-    raise RuntimeError(f"tape_attention: no {kind} config fits this GPU") from last
-
-
-def _pad(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
-def _precision(dtype: torch.dtype) -> str | None:
-    """tl.dot input precision: only meaningful for fp32 operands (None = the backend's default)."""
-    if dtype != torch.float32:
-        return None
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    configs = _configs(kind, _launcher.arch(args[0]), block_d, dtype)
+    _launcher.launch(kernel, LAUNCH_NAMES[kind], lambda c: grid_of(c["BLOCK_M"], c["BLOCK_N"]), configs, args,
+                     consts, key=None if kind in _forced else key)  # fmt: skip
 
 
 def _strides(x: torch.Tensor | None) -> tuple[int, int, int, int]:
@@ -594,15 +541,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, e: torch.Tensor | 
         raise ValueError(f"kv heads must divide query heads: H={h}, Hk={k.shape[1]}, Hv={v.shape[1]}")
     if e is not None and (e.shape[0] != b or e.shape[1] != h or e.shape[2] != k.shape[2]):
         raise ValueError(f"e must be (B, H, S, De) = ({b}, {h}, {k.shape[2]}, De); got {tuple(e.shape)}")
-    tensors = [q, k, v] + ([e] if e is not None else [])
-    if any(t.dtype != q.dtype for t in tensors) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q, k, v, e must share one of fp32/fp16/bf16; got {[t.dtype for t in tensors]}")
-    if any(t.device != q.device for t in tensors):
-        raise ValueError("q, k, v, e must be on one device")
-    if q.device.type != "cuda":
-        if not _interpreting():
-            raise RuntimeError("tape_attention runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
-        _check_interpreter_ready()
+    _launcher.check_inputs(dict(q=q, k=k, v=v, e=e), same_dtype=("q", "k", "v", "e"))
 
 
 def _dims(q, k, v, e):
@@ -613,9 +552,11 @@ def _dims(q, k, v, e):
     return b, h, t, s, d, dv, de, h // k.shape[1], h // v.shape[1]
 
 
-def _token_major(x: torch.Tensor, b: int, h: int, t: int, d: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """An uninitialised (B, H, T, D) view of (B, T, H, D) memory: the layout projections produce and consume, so
-    the output feeds o_proj (and TAPE's token-major state) without a transposing copy."""
+def _empty_heads_first_view(x: torch.Tensor, b: int, h: int, t: int, d: int,
+                            dtype: torch.dtype | None = None) -> torch.Tensor:  # fmt: skip
+    """An uninitialised heads-first (B, H, T, D) view of token-major (B, T, H, D) memory: the kernels index heads
+    first, while the projections produce and consume token-major memory, so the output feeds o_proj (and TAPE's
+    token-major state) without a transposing copy."""
     return torch.empty(b, t, h, d, device=x.device, dtype=dtype or x.dtype).transpose(1, 2)
 
 
@@ -640,10 +581,10 @@ def _doc_ranges(q_doc: torch.Tensor | None, k_doc: torch.Tensor | None, dummy: t
 
 def _forward(q, k, v, e, causal: bool, scale: float, q_doc=None, k_doc=None):
     b, h, t, s, d, dv, de, gk, gv = _dims(q, k, v, e)
-    o = _token_major(q, b, h, t, dv)
-    oe = _token_major(q, b, h, t, de) if e is not None else None
+    o = _empty_heads_first_view(q, b, h, t, dv)
+    oe = _empty_heads_first_view(q, b, h, t, de) if e is not None else None
     lse = torch.empty(b, h, t, device=q.device, dtype=torch.float32)
-    bd, bdv, bde = _pad(d), _pad(dv), _pad(max(de, 1))
+    bd, bdv, bde = pad_for_dot(d), pad_for_dot(dv), pad_for_dot(max(de, 1))
     key = ("fwd", q.device.index, q.dtype, bd, bdv, bde if e is not None else 0)
     qd, kd, q_lo, q_hi, _, _ = _doc_ranges(q_doc, k_doc, lse)
     _launch(
@@ -652,16 +593,17 @@ def _forward(q, k, v, e, causal: bool, scale: float, q_doc=None, k_doc=None):
         *q.stride(), *k.stride(), *v.stride(), *_strides(e), *o.stride(), *_strides(oe),
         qd, kd, q_lo, q_hi,
         h, t, s, d, dv, max(de, 1), gk, gv, scale * LOG2E,
-        CAUSAL=causal, HAS_E=e is not None, PRECISION=_precision(q.dtype), HAS_DOC=q_doc is not None,
+        CAUSAL=causal, HAS_E=e is not None, PRECISION=dot_precision(q.dtype), HAS_DOC=q_doc is not None,
         BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_DE=bde,
     )  # fmt: skip
     return o, oe, lse
 
 
 def _sum_groups(per_head: torch.Tensor, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """(B, H, S, D) fp32 per query head -> (B, H / groups, S, D) in `dtype`, token-major (GQA key/value grads)."""
+    """(B, H, S, D) fp32 per query head -> (B, H / groups, S, D) in `dtype`, a heads-first view of token-major
+    memory (GQA key/value grads)."""
     b, h, s, d = per_head.shape
-    out = _token_major(per_head, b, h // groups, s, d, dtype)
+    out = _empty_heads_first_view(per_head, b, h // groups, s, d, dtype)
     out.copy_(per_head.unflatten(1, (h // groups, groups)).sum(2))
     return out
 
@@ -686,19 +628,19 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
     if use_e:
         delta += (doe.float() * oe.float()).sum(-1)
 
-    bd, bdv, bde = _pad(d), _pad(dv), _pad(max(de, 1))
+    bd, bdv, bde = pad_for_dot(d), pad_for_dot(dv), pad_for_dot(max(de, 1))
     # dummies for absent streams: never dereferenced (constexpr-guarded), any valid pointer will do
     e_ = e if use_e else v
     do_ = do if use_v else q
     doe_ = doe if use_e else q
-    common = dict(CAUSAL=causal, USE_V=use_v, USE_E=use_e, PRECISION=_precision(q.dtype),
+    common = dict(CAUSAL=causal, USE_V=use_v, USE_E=use_e, PRECISION=dot_precision(q.dtype),
                   BLOCK_D=bd, BLOCK_DV=bdv, BLOCK_DE=bde, HAS_DOC=q_doc is not None)  # fmt: skip
     qd, kd, q_lo, q_hi, k_lo, k_hi = _doc_ranges(q_doc, k_doc, lse)
     key_tail = (q.device.index, q.dtype, bd, bdv, bde, use_v, use_e)
 
     dq = dk = dv_ = de_ = None
     if need_q:
-        dq = _token_major(q, b, h, t, d)
+        dq = _empty_heads_first_view(q, b, h, t, d)
         _launch(
             _bwd_dq_kernel, "dq", ("dq", *key_tail), lambda bm, bn: (triton.cdiv(t, bm), h, b), bd, q.dtype,
             q, k, v, e_, do_, doe_, lse, delta, dq,
@@ -708,9 +650,9 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
         )  # fmt: skip
     if need_k or need_v or need_e:
         # per query head buffers; fp32 when a group of heads must still be summed
-        dk_h = _token_major(q, b, h, s, d, k.dtype if gk == 1 else torch.float32)
-        dv_h = _token_major(q, b, h, s, dv, v.dtype if gv == 1 else torch.float32)
-        de_h = _token_major(q, b, h, s, de, e.dtype) if use_e else dk_h
+        dk_h = _empty_heads_first_view(q, b, h, s, d, k.dtype if gk == 1 else torch.float32)
+        dv_h = _empty_heads_first_view(q, b, h, s, dv, v.dtype if gv == 1 else torch.float32)
+        de_h = _empty_heads_first_view(q, b, h, s, de, e.dtype) if use_e else dk_h
         dkdv_args = (
             q, k, v, e_, do_, doe_, lse, delta, dk_h, dv_h, de_h,
             *q.stride(), *k.stride(), *v.stride(), *_strides(e_), *_strides(do_), *_strides(doe_),
@@ -719,7 +661,7 @@ def _backward_impl(q, k, v, e, o, oe, lse, do, doe, causal: bool, scale: float, 
             h, t, s, d, dv, max(de, 1), gk, gv, scale, scale * LOG2E,
         )  # fmt: skip
         grid = lambda bm, bn: (triton.cdiv(s, bn), h, b)  # noqa: E731
-        split = use_e and _split_de(_arch_of(q), bd, q.dtype)
+        split = use_e and _split_de(_launcher.arch(q), bd, q.dtype)
         _launch(_bwd_dkdv_kernel, "dkdv", ("dkdv", split, *key_tail), grid, bd, q.dtype, *dkdv_args, **common,
                 DO_DKDV=True, DO_DE=not split)  # fmt: skip
         if split:  # de = P^T · do_e in its own pass (see the kernel)
@@ -751,8 +693,8 @@ def _fwd_op(q, k, v, e, causal, scale, q_doc=None, k_doc=None):
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, e, causal, scale, q_doc=None, k_doc=None):
     b, h, t, _, _, dv, de, _, _ = _dims(q, k, v, e)
-    oe = _token_major(q, b, h, t, de) if e is not None else q.new_empty(0)
-    return _token_major(q, b, h, t, dv), oe, q.new_empty(b, h, t, dtype=torch.float32)
+    oe = _empty_heads_first_view(q, b, h, t, de) if e is not None else q.new_empty(0)
+    return _empty_heads_first_view(q, b, h, t, dv), oe, q.new_empty(b, h, t, dtype=torch.float32)
 
 
 @torch.library.custom_op(
@@ -775,10 +717,10 @@ def _bwd_fake(q, k, v, e, o, oe, lse, do, doe, causal, scale, needs, q_doc=None,
     if do is None and not use_e:
         return empty, empty, empty, empty
     return (
-        _token_major(q, b, h, t, d) if needs[0] else empty,
-        _token_major(q, b, h // gk, s, d, k.dtype) if needs[1] else empty,
-        _token_major(q, b, h // gv, s, dv, v.dtype) if needs[2] and do is not None else empty,
-        _token_major(q, b, h, s, de, e.dtype) if needs[3] and use_e else empty,
+        _empty_heads_first_view(q, b, h, t, d) if needs[0] else empty,
+        _empty_heads_first_view(q, b, h // gk, s, d, k.dtype) if needs[1] else empty,
+        _empty_heads_first_view(q, b, h // gv, s, dv, v.dtype) if needs[2] and do is not None else empty,
+        _empty_heads_first_view(q, b, h, s, de, e.dtype) if needs[3] and use_e else empty,
     )
 
 
@@ -830,3 +772,35 @@ def tape_attention(
         q_doc, k_doc = q_doc.to(torch.int32).contiguous(), k_doc.to(torch.int32).contiguous()
         o, oe, _ = _fwd_op(q, k, v, e, bool(causal), scale, q_doc, k_doc)
     return o, (oe if e is not None else None)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernel report (tools/kernel_report.py)
+# --------------------------------------------------------------------------------------------------------------
+
+REPORT_HEAD_DIMS = (64, 128)
+REPORT_SHAPE = (2, 16, 1024)  # B, H, T: a representative training shape
+
+
+def report_launches(arch: int, dtype: torch.dtype) -> list[Launch]:
+    """The launches of one causal forward + backward at each REPORT_HEAD_DIMS, TAPE (values V and E, Dv = De = D)
+    and values only, on meta tensors in the layout the model uses (heads-first views of token-major memory), for
+    compute capability `arch`; labelled head_dim and case ("tape" | "plain"). On Hopper the TAPE launches in 16-bit
+    carry their HOPPER_CANDIDATES."""
+    b, h, t = REPORT_SHAPE
+    kind_of = {name: kind for kind, name in LAUNCH_NAMES.items()}
+    records: list[Launch] = []
+    for d in REPORT_HEAD_DIMS:
+        for tape in (True, False):
+            meta = torch.empty(0, device="meta", dtype=dtype)
+            q, k, v, do = (_empty_heads_first_view(meta, b, h, t, d) for _ in range(4))
+            e, doe = (_empty_heads_first_view(meta, b, h, t, d) for _ in range(2)) if tape else (None, None)
+            scale = 1.0 / math.sqrt(d)
+            with _launcher.capture(arch, head_dim=d, case="tape" if tape else "plain") as launches:
+                o, oe, lse = _forward(q, k, v, e, True, scale)
+                _backward_impl(q, k, v, e, o, oe, lse, do, doe, True, scale, (True, True, True, tape))
+            if tape and _family(arch) == 90 and dtype != torch.float32:
+                for launch in launches:
+                    launch.candidates = list(HOPPER_CANDIDATES[kind_of[launch.name]])
+            records += launches
+    return records

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tapetrain.kernels.tape_attention import _check_interpreter_ready, _interpreting, _precision
+from tapetrain.kernels.launch import KernelLauncher, Launch, LaunchConfig, dot_precision, interpreting, pad_for_dot
 
 # --------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -144,30 +144,21 @@ TOKENS = 16
 TILE = 2048  # elements of one (BLOCK_M, BLOCK_D) tile
 
 
+_launcher = KernelLauncher("tape_head_mix", _mix_fwd_kernel)
+
+
 def _block_d(block_m: int, d: int) -> int:
-    return max(16, min(_pad(d), TILE // block_m))
+    return max(16, min(pad_for_dot(d), TILE // block_m))
 
 
-# Launch capture for report_launches: records instead of launching (meta tensors).
-_capture: list[dict] | None = None
+def _config(m: int, d: int) -> LaunchConfig:
+    """The one config: its BLOCK_D also sets the grid and the number of d_W partials, sized before the launch."""
+    warps, stages = (1, 1) if interpreting() else (4, 1)
+    return LaunchConfig.of(warps, stages, BLOCK_D=_block_d(pad_for_dot(m), d))
 
 
 def _tokens() -> int:
-    return 4 if _interpreting() else TOKENS  # the CPU tests cover several chunks and a partial one
-
-
-def _pad(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))  # tl.dot needs ≥ 16
-
-
-def _launch(kernel, name: str, grid: tuple, args: tuple, consts: dict) -> None:
-    warps, stages = (1, 1) if _interpreting() else (4, 1)
-    if _capture is not None:
-        _capture.append(dict(name=name, kernel=kernel, args=args, consts=consts, num_warps=warps, num_stages=stages))
-        return
-    if 0 in grid:
-        return
-    kernel[grid](*args, **consts, num_warps=warps, num_stages=stages)
+    return 4 if interpreting() else TOKENS  # the CPU tests cover several chunks and a partial one
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -181,21 +172,13 @@ def _check(state: torch.Tensor, attended: torch.Tensor, weight: torch.Tensor) ->
     m = state.shape[2]
     if weight.shape not in ((m, m), (m,)):
         raise ValueError(f"weight must be (M, M) ('full') or (M,) ('gain') with M = {m}; got {tuple(weight.shape)}")
-    tensors = (state, attended, weight)
-    if state.dtype != attended.dtype or any(x.dtype not in (torch.float32, torch.float16, torch.bfloat16)
-                                            for x in tensors):  # fmt: skip
-        raise ValueError(f"state and attended must share one of fp32/fp16/bf16; got {[x.dtype for x in tensors]}")
-    if any(x.device != state.device for x in tensors):
-        raise ValueError("state, attended, weight must be on one device")
-    if state.device.type != "cuda":
-        if not _interpreting():
-            raise RuntimeError("tape_head_mix runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
-        _check_interpreter_ready()
+    _launcher.check_inputs(dict(state=state, attended=attended, weight=weight), same_dtype=("state", "attended"),
+                           float_dtype=("weight",))  # fmt: skip
 
 
 def _grid(attended: torch.Tensor) -> tuple[int, int, int]:
     _, t, m, d = attended.shape
-    return triton.cdiv(t, _tokens()), triton.cdiv(d, _block_d(_pad(m), d)), attended.shape[0]
+    return triton.cdiv(t, _tokens()), triton.cdiv(d, _config(m, d)["BLOCK_D"]), attended.shape[0]
 
 
 def _forward(state: torch.Tensor, attended: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -204,10 +187,9 @@ def _forward(state: torch.Tensor, attended: torch.Tensor, weight: torch.Tensor) 
     w_strides = weight.stride() if weight.dim() == 2 else (weight.stride(0), 0)
     args = (state, attended, weight, out, *state.stride(), *attended.stride(), *w_strides, *out.stride(),
             t, m, d, _tokens())  # fmt: skip
-    consts = dict(
-        FULL=weight.dim() == 2, PRECISION=_precision(attended.dtype), BLOCK_M=_pad(m), BLOCK_D=_block_d(_pad(m), d)
-    )
-    _launch(_mix_fwd_kernel, "tape_head_mix_fwd", _grid(attended), args, consts)
+    consts = dict(FULL=weight.dim() == 2, PRECISION=dot_precision(attended.dtype), BLOCK_M=pad_for_dot(m))
+    grid = _grid(attended)
+    _launcher.launch(_mix_fwd_kernel, "_mix_fwd_kernel", lambda c: grid, [_config(m, d)], args, consts)
     return out
 
 
@@ -215,7 +197,7 @@ def _backward(attended: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) 
     """(d_attended, d_weight) from dout; d_state is dout itself."""
     b, t, m, d = attended.shape
     full = weight.dim() == 2
-    block_m = _pad(m)
+    block_m = pad_for_dot(m)
     grid = _grid(attended)
     d_att = torch.empty(b, t, m, d, device=attended.device, dtype=attended.dtype)
     programs = grid[0] * grid[1] * grid[2]
@@ -224,8 +206,8 @@ def _backward(attended: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) 
     w_strides = weight.stride() if full else (weight.stride(0), 0)
     args = (attended, weight, grad, d_att, partials, *attended.stride(), *w_strides, *grad.stride(), *d_att.stride(),
             t, m, d, _tokens())  # fmt: skip
-    consts = dict(FULL=full, PRECISION=_precision(attended.dtype), BLOCK_M=block_m, BLOCK_D=_block_d(block_m, d))
-    _launch(_mix_bwd_kernel, "tape_head_mix_bwd", grid, args, consts)
+    consts = dict(FULL=full, PRECISION=dot_precision(attended.dtype), BLOCK_M=block_m)
+    _launcher.launch(_mix_bwd_kernel, "_mix_bwd_kernel", lambda c: grid, [_config(m, d)], args, consts)
     d_w = partials.sum(0)[:m, :m] if full else partials.sum(0)[:m]
     return d_att, d_w.to(weight.dtype).contiguous()  # contiguous, as the fake says
 
@@ -285,22 +267,17 @@ def tape_head_mix(state: torch.Tensor, attended: torch.Tensor, weight: torch.Ten
 REPORT_SHAPES = {"llama-1b": (1, 2048, 16, 128), "llama2-7b": (1, 4096, 32, 128)}  # B, T, M, D
 
 
-def report_launches(arch: int, dtype: torch.dtype) -> list[dict]:
-    """The launches of one forward + backward, 'full' and 'gain', at REPORT_SHAPES on meta tensors: dicts of name,
-    kernel, args, consts, num_warps, num_stages, shape (for ptx_report.compile_ptx; `arch` does not change them)."""
-    global _capture
-    records: list[dict] = []
+def report_launches(arch: int, dtype: torch.dtype) -> list[Launch]:
+    """The launches of one forward + backward, 'full' and 'gain', at REPORT_SHAPES on meta tensors for compute
+    capability `arch` (which does not change them), labelled by shape."""
+    records: list[Launch] = []
     for label, (b, t, m, d) in REPORT_SHAPES.items():
         for mode, w_shape in (("full", (m, m)), ("gain", (m,))):
             state = torch.empty(b, t, m, d, device="meta", dtype=dtype)
             attended = torch.empty(b, m, t, d, device="meta", dtype=dtype).transpose(1, 2)  # the model's view
             weight = torch.empty(w_shape, device="meta", dtype=torch.float32)
-            _capture = []
-            try:
+            with _launcher.capture(arch, shape=f"{label} {mode}: B={b} T={t} M={m} D={d}") as launches:
                 out = _forward(state, attended, weight)
                 _backward(attended, weight, torch.empty_like(out))
-                shape = f"{label} {mode}: B={b} T={t} M={m} D={d}"
-                records += [dict(rec, shape=shape) for rec in _capture]
-            finally:
-                _capture = None
+            records += launches
     return records

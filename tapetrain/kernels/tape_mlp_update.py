@@ -32,9 +32,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.errors import OutOfResources
 
-from tapetrain.kernels.tape_attention import _check_interpreter_ready, _interpreting, _pad, _precision
+from tapetrain.kernels.launch import KernelLauncher, Launch, LaunchConfig, dot_precision, interpreting, pad_for_dot
 
 # --------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -180,13 +179,18 @@ def _bwd_weight_kernel(
 
 # (BLOCK_T tokens per program, BLOCK_I channels per chunk, num_warps, num_stages). Chosen for zero register spills
 # on sm_80 and sm_90a at the llama-1b and llama2-7b shapes (tools/kernel_report.py); not yet timed on a GPU.
-_Config = tuple[int, int, int, int]
+_launcher = KernelLauncher("tape_mlp_update", _fwd_kernel)
 
 
-def _configs(kind: str, dtype: torch.dtype, block_m: int, block_d: int) -> list[_Config]:
+def _configs(kind: str, dtype: torch.dtype, block_m: int, block_d: int) -> list[LaunchConfig]:
     """Configs to try for kernel `kind` (fwd | dstate | dweight), best first; later ones after OutOfResources.
     All configs of one kind share BLOCK_T: dweight's partial buffers are sized by it before the launch."""
-    if _interpreting():
+    return [LaunchConfig.of(warps, stages, BLOCK_T=bt, BLOCK_I=bi) for bt, bi, warps, stages in
+            _config_rows(kind, dtype, block_m, block_d)]  # fmt: skip
+
+
+def _config_rows(kind: str, dtype: torch.dtype, block_m: int, block_d: int) -> list[tuple[int, int, int, int]]:
+    if interpreting():
         return [(4, 16, 1, 1)]  # several programs and I chunks even at test shapes
     fp32 = dtype == torch.float32  # twice the registers per element: 8 warps, and smaller chunks when wide
     wide = block_m * block_d >= 4096  # (32, 128) tiles: spread over 8 warps
@@ -200,47 +204,14 @@ def _configs(kind: str, dtype: torch.dtype, block_m: int, block_d: int) -> list[
 
 def _weight_block_d(dtype: torch.dtype, d: int) -> int:
     """D chunk of the weight-gradient kernel: all of D in 16-bit; fp32 tiles of 128 columns spill, so 64."""
-    return min(_pad(d), 64) if dtype == torch.float32 and not _interpreting() else _pad(d)
-
-
-class _Capture:
-    """Records launches instead of running them (report_launches: compiled for a target arch without a GPU)."""
-
-    def __init__(self, shape: str):
-        self.shape = shape
-        self.launches: list[dict] = []
-
-
-_capture: _Capture | None = None
-_chosen: dict[tuple, _Config] = {}
+    return min(pad_for_dot(d), 64) if dtype == torch.float32 and not interpreting() else pad_for_dot(d)
 
 
 def _launch(kernel, kind: str, grid_of, dtype: torch.dtype, block_m: int, block_d: int, *args, **consts) -> None:
     """Launch with the first config that compiles; grid_of(BLOCK_T, BLOCK_I) -> grid."""
-    cfgs = _configs(kind, dtype, block_m, block_d)
-    if _capture is not None:
-        bt, bi, warps, stages = cfgs[0]
-        _capture.launches.append(dict(
-            name=kernel.fn.__name__, kernel=kernel, args=args,
-            consts=dict(consts, BLOCK_T=bt, BLOCK_I=bi), num_warps=warps, num_stages=stages, shape=_capture.shape,
-        ))  # fmt: skip
-        return
     key = (kind, args[0].device.index, dtype, block_m, block_d)
-    if key in _chosen:
-        cfgs = [_chosen[key]]
-    last: Exception | None = None
-    for bt, bi, warps, stages in cfgs:
-        grid = grid_of(bt, bi)
-        if 0 in grid:
-            return
-        try:
-            kernel[grid](*args, **consts, BLOCK_T=bt, BLOCK_I=bi, num_warps=warps, num_stages=stages)
-        except OutOfResources as err:
-            last = err
-            continue
-        _chosen[key] = (bt, bi, warps, stages)
-        return
-    raise RuntimeError(f"tape_mlp_update: no {kind} config fits this GPU") from last
+    _launcher.launch(kernel, kernel.fn.__name__, lambda c: grid_of(c["BLOCK_T"], c["BLOCK_I"]),
+                     _configs(kind, dtype, block_m, block_d), args, consts, key=key)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -250,7 +221,7 @@ def _launch(kernel, kind: str, grid_of, dtype: torch.dtype, block_m: int, block_
 
 def _consts(state: torch.Tensor) -> dict:
     m, d = state.shape[2], state.shape[3]
-    return dict(PRECISION=_precision(state.dtype), BLOCK_M=_pad(m), BLOCK_D=_pad(d))
+    return dict(PRECISION=dot_precision(state.dtype), BLOCK_M=pad_for_dot(m), BLOCK_D=pad_for_dot(d))
 
 
 def _forward(state, gate_logits, up_weight, down_weight) -> torch.Tensor:
@@ -287,7 +258,7 @@ def _backward(state, gate_logits, up_weight, down_weight, dout, needs: tuple[boo
             t, m, i, d, **c,
         )  # fmt: skip
     if needs[2] or needs[3]:
-        bt = _configs("dweight", state.dtype, c["BLOCK_M"], c["BLOCK_D"])[0][0]  # every dweight config has this
+        bt = _configs("dweight", state.dtype, c["BLOCK_M"], c["BLOCK_D"])[0]["BLOCK_T"]  # every dweight config
         n_tiles = triton.cdiv(t, bt)
         # fp32 partials per (b, token tile); programs of one tile write disjoint I chunks of the same slot
         part_up = torch.empty(b * n_tiles, i, m, device=state.device, dtype=torch.float32)
@@ -358,14 +329,8 @@ def _check(state, gate_logits, up_weight, down_weight) -> None:
             tuple(down_weight.shape) != (m, i):  # fmt: skip
         raise ValueError(f"shape mismatch: state {tuple(state.shape)}, gate_logits {tuple(gate_logits.shape)}, "
                          f"up_weight {tuple(up_weight.shape)}, down_weight {tuple(down_weight.shape)}")
-    if state.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"tape_mlp_update: state must be fp32/fp16/bf16; got {state.dtype}")
-    if any(x.device != state.device for x in (gate_logits, up_weight, down_weight)):
-        raise ValueError("tape_mlp_update: all inputs must be on one device")
-    if state.device.type != "cuda":
-        if not _interpreting():
-            raise RuntimeError("tape_mlp_update runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
-        _check_interpreter_ready()
+    _launcher.check_inputs(dict(state=state, gate_logits=gate_logits, up_weight=up_weight, down_weight=down_weight),
+                           same_dtype=("state",))  # fmt: skip
 
 
 def tape_mlp_update(state: torch.Tensor, gate_logits: torch.Tensor, up_weight: torch.Tensor,
@@ -389,27 +354,18 @@ def tape_mlp_update(state: torch.Tensor, gate_logits: torch.Tensor, up_weight: t
 REPORT_SHAPES = [("llama-1b", 16, 64, 128), ("llama2-7b", 32, 128, 128)]
 
 
-def report_launches(arch: int, dtype: torch.dtype) -> list[dict]:
-    """The launches of one forward + backward at each REPORT_SHAPES shape (B = 2, T = 2048, meta tensors, the
-    config the runtime tries first), for tools/kernel_report.py to compile for compute capability `arch` (80, 90).
-
-    Each record: {"name": str (kernel function name), "kernel": the @triton.jit function, "args": tuple
-    (positional arguments, meta tensors for pointers), "consts": dict (constexpr arguments incl. BLOCK_*),
-    "num_warps": int, "num_stages": int, "shape": str (e.g. "llama-1b M=16 I=64 D=128")}.
-    The config does not depend on `arch` yet (one table for sm_80 and sm_90a).
-    """
-    global _capture
-    records = []
+def report_launches(arch: int, dtype: torch.dtype) -> list[Launch]:
+    """The launches of one forward + backward at each REPORT_SHAPES shape (B = 2, T = 2048, meta tensors) for
+    compute capability `arch`, labelled by shape (e.g. "llama-1b M=16 I=64 D=128"); the configs do not depend on
+    `arch` yet (one table for sm_80 and sm_90a)."""
+    records: list[Launch] = []
     for label, m, i, d in REPORT_SHAPES:
         b, t = 2, 2048
         state = torch.empty(b, t, m, d, device="meta", dtype=dtype)
         gate = torch.empty(b, t, i, device="meta", dtype=dtype)
         up, down = torch.empty(i, m, device="meta", dtype=dtype), torch.empty(m, i, device="meta", dtype=dtype)
-        _capture = _Capture(f"{label} M={m} I={i} D={d}")
-        try:
+        with _launcher.capture(arch, shape=f"{label} M={m} I={i} D={d}") as launches:
             _forward(state, gate, up, down)
             _backward(state, gate, up, down, torch.empty_like(state), (True, True, True, True))
-            records += _capture.launches
-        finally:
-            _capture = None
+        records += launches
     return records

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from tapetrain.kernels.tape_attention import _check_interpreter_ready, _interpreting
+from tapetrain.kernels.launch import KernelLauncher, Launch, LaunchConfig, interpreting
 
 # --------------------------------------------------------------------------------------------------------------
 # Kernels
@@ -135,32 +135,17 @@ def _rotate_bwd_kernel(
 # --------------------------------------------------------------------------------------------------------------
 # Launch configuration
 # --------------------------------------------------------------------------------------------------------------
-# (BLOCK_T, num_warps, num_stages) per kernel. Memory-bound elementwise work: the tile only has to keep enough
+# BLOCK_T, num_warps, num_stages per kernel. Memory-bound elementwise work: the tile only has to keep enough
 # loads in flight without spilling; every dtype is fp32 in registers (ptxas at D = 128 on sm_80 and sm_90a, bf16,
 # fp16 and fp32: 64-96 registers, no spills; report_launches).
-_Config = tuple[int, int, int]
-_CONFIGS: dict[str, _Config] = {"fwd": (32, 4, 1), "bwd": (16, 4, 1)}
+_CONFIGS = {"fwd": LaunchConfig.of(4, 1, BLOCK_T=32), "bwd": LaunchConfig.of(4, 1, BLOCK_T=16)}
+_launcher = KernelLauncher("tape_rotate_qk", _rotate_fwd_kernel)
 
 
-def _config(kind: str) -> _Config:
-    if _interpreting():
-        return (8, 1, 1)  # small tiles: the CPU tests cover several token tiles and a partial one
+def _config(kind: str) -> LaunchConfig:
+    if interpreting():
+        return LaunchConfig.of(1, 1, BLOCK_T=8)  # the CPU tests cover several token tiles and a partial one
     return _CONFIGS[kind]
-
-
-# Launch capture for report_launches: records instead of launching (meta tensors).
-_capture: list[dict] | None = None
-
-
-def _launch(kernel, name: str, grid: tuple, cfg: _Config, args: tuple, consts: dict) -> None:
-    block_t, warps, stages = cfg
-    consts = dict(consts, BLOCK_T=block_t)
-    if _capture is not None:
-        _capture.append(dict(name=name, kernel=kernel, args=args, consts=consts, num_warps=warps, num_stages=stages))
-        return
-    if 0 in grid:
-        return
-    kernel[grid](*args, **consts, num_warps=warps, num_stages=stages)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -178,30 +163,21 @@ def _check(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor) -> None:
         raise ValueError(f"kv heads must divide query heads: H={h}, Hkv={k.shape[2]}")
     if d % 2:
         raise ValueError(f"the head dim must be even (rotate-half pairs); got {d}")
-    tensors = (q, k, state)
-    if any(x.dtype != q.dtype for x in tensors) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q, k, state must share one of fp32/fp16/bf16; got {[x.dtype for x in tensors]}")
-    if any(x.device != q.device for x in tensors):
-        raise ValueError("q, k, state must be on one device")
-    if q.device.type != "cuda":
-        if not _interpreting():
-            raise RuntimeError("tape_rotate_qk runs on CUDA, or on CPU only under TRITON_INTERPRET=1")
-        _check_interpreter_ready()
+    _launcher.check_inputs(dict(q=q, k=k, state=state), same_dtype=("q", "k", "state"))
 
 
-def _grid(q: torch.Tensor, k: torch.Tensor, block_t: int) -> tuple[int, int, int]:
-    return triton.cdiv(q.shape[1], block_t), k.shape[2], q.shape[0]
+def _grid(q: torch.Tensor, k: torch.Tensor, config: LaunchConfig) -> tuple[int, int, int]:
+    return triton.cdiv(q.shape[1], config["BLOCK_T"]), k.shape[2], q.shape[0]
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, t, h, d = q.shape
     q_rot = torch.empty(b, t, h, d, device=q.device, dtype=q.dtype)
     k_rot = torch.empty_like(q_rot)
-    cfg = _config("fwd")
     args = (q, k, state, q_rot, k_rot, *q.stride(), *k.stride(), *state.stride(), *q_rot.stride(),
             t, d // 2, h // k.shape[2])  # fmt: skip
-    _launch(_rotate_fwd_kernel, "tape_rotate_fwd", _grid(q, k, cfg[0]), cfg, args,
-            dict(BLOCK_F=triton.next_power_of_2(d // 2)))  # fmt: skip
+    _launcher.launch(_rotate_fwd_kernel, "_rotate_fwd_kernel", lambda c: _grid(q, k, c), [_config("fwd")], args,
+                     dict(BLOCK_F=triton.next_power_of_2(d // 2)))  # fmt: skip
     return q_rot, k_rot
 
 
@@ -220,12 +196,12 @@ def _backward(q, k, state, gq: torch.Tensor | None, gk: torch.Tensor | None, nee
     gq_, gk_ = (gq if gq is not None else q), (gk if gk is not None else q)
     out_ = next(x for x in (dq, de, dk) if x is not None)
     dq_, dk_, de_ = (x if x is not None else out_ for x in (dq, dk, de))
-    cfg = _config("bwd")
     args = (q, k, state, gq_, gk_, dq_, dk_, de_,
             *q.stride(), *k.stride(), *state.stride(), *gq_.stride(), *gk_.stride(), t * h * d, h * d, d, 1,
             *dk_.stride(), t, d // 2, h // k.shape[2])  # fmt: skip
     consts = dict(DQ_ON=dq_on, DK_ON=dk_on, DE_Q=de_q, DE_K=de_k, BLOCK_F=triton.next_power_of_2(d // 2))
-    _launch(_rotate_bwd_kernel, "tape_rotate_bwd", _grid(q, k, cfg[0]), cfg, args, consts)
+    _launcher.launch(_rotate_bwd_kernel, "_rotate_bwd_kernel", lambda c: _grid(q, k, c), [_config("bwd")], args,
+                     consts)  # fmt: skip
     return dq, dk, de
 
 
@@ -302,25 +278,21 @@ def tape_rotate_qk(q: torch.Tensor, k: torch.Tensor, state: torch.Tensor) -> tup
 REPORT_SHAPES = {"llama-1b": (1, 2048, 16, 16, 128), "llama2-7b": (1, 4096, 32, 32, 128)}  # B, T, H, Hkv, D
 
 
-def report_launches(arch: int, dtype: torch.dtype) -> list[dict]:
+def report_launches(arch: int, dtype: torch.dtype) -> list[Launch]:
     """The launches of one forward + backward at REPORT_SHAPES on meta tensors, plus the backward of the first
-    layer, whose E^(0) needs no gradient: dicts of name, kernel, args, consts, num_warps, num_stages, shape (for
-    ptx_report.compile_ptx; `arch` does not change the choice)."""
-    global _capture
-    records: list[dict] = []
+    layer, whose E^(0) needs no gradient, for compute capability `arch` (which does not change the choice);
+    labelled by shape."""
+    records: list[Launch] = []
     for label, (b, t, h, hkv, d) in REPORT_SHAPES.items():
         q, state = (torch.empty(b, t, h, d, device="meta", dtype=dtype) for _ in range(2))
         k = torch.empty(b, t, hkv, d, device="meta", dtype=dtype)
         shape = f"{label}: B={b} T={t} H={h} Hkv={hkv} D={d}"
-        _capture = []
-        try:
+        with _launcher.capture(arch, shape=shape) as launches:
             q_rot, k_rot = _forward(q, k, state)
             gq, gk = torch.empty_like(q_rot), torch.empty_like(k_rot)
             _backward(q, k, state, gq, gk, (True, True, True))
-            records += [dict(rec, shape=shape) for rec in _capture]
-            _capture = []
+        records += launches
+        with _launcher.capture(arch, shape=shape + ", layer 0 (no d_state)") as launches:
             _backward(q, k, state, gq, gk, (True, True, False))
-            records += [dict(rec, shape=shape + ", layer 0 (no d_state)") for rec in _capture]
-        finally:
-            _capture = None
+        records += launches
     return records

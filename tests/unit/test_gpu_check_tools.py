@@ -147,7 +147,8 @@ def test_kernel_register_budget(tmp_path):
     assert {(r["arch"], r["head_dim"], r["case"]) for r in attention} == {
         (a, d, c) for a in ("sm_80", "sm_90a") for d in (64, 128) for c in ("tape", "plain")
     }
-    assert {r["kernel"] for r in attention} >= {"_fwd_kernel", "_bwd_dq_kernel", "_bwd_dkdv_kernel"}
+    assert {r["kernel"] for r in attention} >= {f"tape_attention.{k}" for k in ("_fwd_kernel", "_bwd_dq_kernel",
+                                                                               "_bwd_dkdv_kernel")}  # fmt: skip
     # the TAPE state-update kernels (tools/kernel_report.py KERNEL_MODULES) at the llama-1b and llama2-7b shapes
     mlp = {(r["kernel"], r["arch"], r["shape"].split()[0]) for r in records if r["kernel"].startswith("tape_mlp")}
     assert mlp == {(f"tape_mlp_update.{k}", a, s) for k in ("_fwd_kernel", "_bwd_state_kernel", "_bwd_weight_kernel")
@@ -175,20 +176,57 @@ def test_committed_kernel_report_lists_the_configs_the_runtime_chooses():
 def test_kernel_report_check_names_a_config_that_changed(tmp_path):
     pytest.importorskip("triton")
     report = json.loads((REPO / "docs" / "benchmarks" / "kernel-report.json").read_text())
-    changed = next(r for r in report["records"] if r["chosen"] and r["kernel"] == "_bwd_dq_kernel")
+    dq = "tape_attention._bwd_dq_kernel"
+    changed = next(r for r in report["records"] if r["chosen"] and r["kernel"] == dq and not r["candidate"])
     changed["config"]["num_warps"] = 2 if changed["config"]["num_warps"] != 2 else 4
     mlp = next(r for r in report["records"] if r["kernel"] == "tape_mlp_update._bwd_weight_kernel")
     mlp["config"]["BLOCK_I"] *= 2
-    report["records"] = [r for r in report["records"] if r["kernel"] != "_fwd_kernel" or r["arch"] != "sm_80"]
+    fwd = "tape_attention._fwd_kernel"
+    report["records"] = [r for r in report["records"] if r["kernel"] != fwd or r["arch"] != "sm_80"]
+    # a Hopper candidate dropped from the report: the search it records is no longer the runtime's
+    candidate = next(r for r in report["records"] if r["candidate"] and not r["chosen"])
+    report["records"].remove(candidate)
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
     proc = run_check(path)
     assert proc.returncode == 1
-    assert f"_bwd_dq_kernel {changed['arch']} {changed['head_dim']} {changed['dtype']} {changed['case']}: report" \
+    assert f"{dq} {changed['arch']} {changed['dtype']} head_dim={changed['head_dim']} case={changed['case']}: " \
+           f"report" in proc.stdout  # fmt: skip
+    assert f"{fwd} sm_80 bf16 head_dim=64 case=tape: launched, missing from the report" in proc.stdout
+    assert f"tape_mlp_update._bwd_weight_kernel {mlp['arch']} {mlp['dtype']} shape={mlp['shape']}: report" \
         in proc.stdout  # fmt: skip
-    assert "_fwd_kernel sm_80 64 bf16 tape: launched, missing from the report" in proc.stdout
-    assert f"tape_mlp_update._bwd_weight_kernel {mlp['arch']} {mlp['shape']} {mlp['dtype']}: report" in proc.stdout
-    assert "is stale" in proc.stdout and "--out" in proc.stdout
+    c = candidate["config"]
+    missing = f"'{c['BLOCK_M']},{c['BLOCK_N']},{c['num_warps']},{c['num_stages']}'"
+    assert f"{candidate['kernel']} sm_90a {candidate['dtype']} head_dim={candidate['head_dim']} case=tape: " \
+           f"candidates differ (report only: []; runtime only: [{missing}])" in proc.stdout  # fmt: skip
+    assert "is stale" in proc.stdout and "make kernel-report" in proc.stdout
+
+
+def test_tuning_times_the_zero_spill_hopper_candidates_of_the_committed_report():
+    """tools/tune_attention.py on Hopper times only the candidates the kernel report compiled without spills and
+    within shared memory, in HOPPER_CANDIDATES' order; on another arch (no sm_90a figures apply) all of them."""
+    pytest.importorskip("triton")
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from tune_attention import REPORT, as_tuple, candidates
+    finally:
+        sys.path.pop(0)
+    from tapetrain.kernels.tape_attention import HOPPER_CANDIDATES, LAUNCH_NAMES
+
+    records = json.loads(REPORT.read_text())["records"]
+    for kind, d in (("fwd", 64), ("fwd", 128), ("dq", 128), ("dkdv", 64), ("dkdv", 128), ("de", 128)):
+        every = [as_tuple(c.as_dict()) for c in HOPPER_CANDIDATES[kind]]
+        timed = candidates(kind, 90, d, "bf16", REPORT)
+        assert timed and timed == [c for c in every if c in timed]
+        figures = {as_tuple(r["config"]): r for r in records if r["candidate"] and r["arch"] == "sm_90a"
+                   and r["kernel"] == f"tape_attention.{LAUNCH_NAMES[kind]}" and r["head_dim"] == d
+                   and r["dtype"] == "bf16"}  # fmt: skip
+        assert set(figures) == set(every)
+        for config in every:
+            r = figures[config]
+            fits = not (r["spill_store_bytes"] or r["spill_load_bytes"]) and r["shared_bytes"] <= r["shared_limit"]
+            assert (config in timed) == fits, (kind, d, config)
+        assert candidates(kind, 80, d, "bf16", REPORT) == every
 
 
 def test_summary_rows_for_the_fused_updates_appear_when_that_stage_ran(tmp_path):

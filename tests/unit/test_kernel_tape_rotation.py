@@ -189,12 +189,15 @@ def test_report_launches_records():
     """One forward and one backward launch per report shape, in the form ptx_report.compile_ptx takes (the
     ptxas figures themselves need triton's compiler, not the interpreter: tools/kernel_report.py)."""
     records = kernel_mod.report_launches(90, torch.bfloat16)
-    names = ["tape_rotate_fwd", "tape_rotate_bwd", "tape_rotate_bwd"] * len(kernel_mod.REPORT_SHAPES)
-    assert [r["name"] for r in records] == names
+    names = ["_rotate_fwd_kernel", "_rotate_bwd_kernel", "_rotate_bwd_kernel"] * len(kernel_mod.REPORT_SHAPES)
+    assert [r.name for r in records] == names
+    assert len({r.labels["shape"] for r in records}) == 2 * len(kernel_mod.REPORT_SHAPES)  # layer 0's apart
     for r in records:
-        assert set(r) == {"name", "kernel", "args", "consts", "num_warps", "num_stages", "shape"}
-        assert r["consts"]["BLOCK_F"] == 64 and all(t.device.type == "meta" for t in r["args"][:5])
-    assert kernel_mod._capture is None
+        assert r.consts["BLOCK_F"] == 64 and all(t.device.type == "meta" for t in r.args[:5])
+        assert r.configs == [kernel_mod._config("fwd" if r.name == "_rotate_fwd_kernel" else "bwd")]
+    # the capture ended: a launch runs again
+    q, k, state = (x.detach() for x in _leaves(1, 5, 4, 2, 16))
+    assert tape_rotate_qk(q, k, state)[0].abs().sum() > 0
 
 
 # ----------------------------------------------------------------------------------------------------------------
