@@ -14,9 +14,9 @@ OUT only once the manifest is written; so a bad input, a crash or Ctrl-C never t
 Files in OUT that prepare did not write are carried over into the new OUT.
 
 Re-running into the same directory:
-  * a finished run (manifest.json present) is never overwritten unless overwrite=True (--overwrite);
+  * a finished run (manifest.json present) is never overwritten unless --overwrite;
   * a killed run of an older tapetrain (the `.prepare-incomplete` marker, or shards without a manifest in OUT)
-    is not resumed: prepare refuses and asks to delete the directory or pass overwrite=True.
+    is not resumed: prepare refuses and asks to delete the directory or pass --overwrite.
 A run failing with an exception removes its temporary directory; one killed outright leaves it, and the next run
 removes it. If a run is killed between the two renames of the swap, the previous dataset is in `.OUT.prepare-old`.
 """
@@ -199,10 +199,10 @@ def _check_out_dir(out_dir: str, overwrite: bool) -> None:
         return
     if os.path.exists(marker) or (_own_files(out_dir) and not os.path.exists(manifest)):
         raise DataError(f"out dir {out_dir} contains an incomplete prepare run (resuming is not "
-                        "supported); delete it or pass --overwrite (overwrite=True) to start over")
+                        "supported); delete it or pass --overwrite to start over")
     if os.path.exists(manifest):
         raise DataError(f"out dir {out_dir} already holds a prepared dataset ({fmt.MANIFEST}); choose "
-                        "another --out or pass --overwrite (overwrite=True) to replace it")
+                        "another --out or pass --overwrite to replace it")
 
 
 def _sibling(out_dir: str, suffix: str) -> str:
