@@ -28,7 +28,7 @@ def tokenizer(input: list[str], vocab_size: int, out: str, text_key: str = "text
 
 def prepare(input: list[str], tokenizer: str, out: str, text_key: str = "text", val_fraction: float = 0.0,
             workers: int = 1, skip_bad: bool = False, overwrite: bool = False,
-            split_docs_at: int | None = None) -> None:
+            split_docs_at: int | None = None, eos_token: str | None = None) -> None:
     """Tokenize a corpus into token shards + manifest.json (the input of `tapetrain train`).
 
     Args:
@@ -45,11 +45,15 @@ def prepare(input: list[str], tokenizer: str, out: str, text_key: str = "text", 
         overwrite: replace a finished or interrupted run
         split_docs_at: cut every document into pieces of at most this many tokens, each a document (own EOS,
             own train/val draw); for inputs of a few large documents (a .txt file is one document)
+        eos_token: the end-of-text token of a bare tokenizer.json (one whose directory has no
+            tokenizer_config.json naming its eos_token, as the `tokenizers` library trains it), e.g. '<|endoftext|>';
+            the dataset's tokenizer/ copy then names it, and runs on the dataset adopt that copy
     """
     from tapetrain.data.prepare import prepare as prepare_shards
 
     manifest = prepare_shards(input, tokenizer, out, text_key=text_key, val_fraction=val_fraction, workers=workers,
-                              skip_bad=skip_bad, overwrite=overwrite, split_docs_at=split_docs_at)
+                              skip_bad=skip_bad, overwrite=overwrite, split_docs_at=split_docs_at,
+                              eos_token=eos_token)
     splits = ", ".join(f"{name}: {s['num_tokens']} tokens, {s['num_documents']} docs, {len(s['shards'])} shards"
                        for name, s in manifest["splits"].items())
     print(f"wrote {out}: {splits}; skipped {manifest['skipped_records']} bad records")
