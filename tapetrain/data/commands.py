@@ -94,7 +94,7 @@ def arith(out: str, max_digits: int = 20, eval_max_digits: int = 40, train_examp
 
 
 def scrolls(task: ScrollsTask, input: list[str], tokenizer: str, out: str, seq_len: int = 8192,
-            max_answer_tokens: int | None = None, overwrite: bool = False) -> None:
+            max_answer_tokens: int | None = None, overwrite: bool = False, eos_token: str | None = None) -> None:
     """SCROLLS fine-tuning data: records -> supervised examples (loss on the answer only).
 
     Builds fine-tuning examples from SCROLLS records (id, pid, input, output; jsonl or parquet, or
@@ -108,11 +108,13 @@ def scrolls(task: ScrollsTask, input: list[str], tokenizer: str, out: str, seq_l
         seq_len: tokens per example, prompt + answer + EOS
         max_answer_tokens: answer budget (default: 200 for QA tasks, 1000 for summaries)
         overwrite: replace OUT if it exists
+        eos_token: the end-of-text token of a bare tokenizer.json (no tokenizer_config.json naming its eos_token),
+            e.g. '<|endoftext|>'; the store's copy of the tokenizer then names it
     """
     from tapetrain.data.scrolls import write_scrolls_data
 
     manifest = write_scrolls_data(task, input, tokenizer, out, seq_len=seq_len, max_answer_tokens=max_answer_tokens,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, eos_token=eos_token)
     info = manifest["task"]
     print(_summary(manifest, out) + f"; {info['records']} records of {info['ids']} ids; prompts truncated in "
           f"{info['truncated_prompts']}, answers in {info['truncated_answers']}")

@@ -174,6 +174,16 @@ def test_a_bare_tokenizer_json_takes_its_eos_from_the_command_line(toks, corpus,
     (tmp_path / "export").mkdir()
     write_tokenizer(str(copy), tmp_path / "export", 128)
     assert AutoTokenizer.from_pretrained(str(tmp_path / "export")).eos_token == "<|endoftext|>"
+    # SCROLLS data takes the same option; its store keeps the tokenizer with the EOS named.
+    from tapetrain.data.examples import ExampleStore, tokenizer_of
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "scrolls" / "qasper.jsonl"
+    scrolls = ["data", "scrolls", "--task", "qasper", "--input", str(fixture), "--tokenizer", str(bare), "--out",
+               str(tmp_path / "s"), "--seq-len", "256", "--max-answer-tokens", "16"]
+    assert main(scrolls) == 1 and "--eos-token" in capsys.readouterr().err
+    assert main([*scrolls, "--eos-token", "<|endoftext|>"]) == 0
+    assert open_tokenizer(tokenizer_of(str(tmp_path / "s"))).eos_id == eos
+    assert ExampleStore(str(tmp_path / "s")).example(0)[0][-1] == eos
     # A tokenizer whose own config names another EOS is not overridden.
     assert main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(toks["qwen"]), "--out",
                  str(tmp_path / "d2"), "--eos-token", "<|im_end|>"]) == 1
