@@ -20,9 +20,7 @@ if TYPE_CHECKING:
 
 FIGURES = {"ppl": "ppl_vs_length.png", "needle": "needle_heatmaps.png", "ruler": "ruler_vs_length.png"}
 LOSS_FIGURE = "loss.png"
-
-
-METRICS = "metrics.jsonl"
+METRICS = "metrics.jsonl"  # the run directory's training log (tapetrain.train.metrics)
 
 
 def has_metrics(run_dir: Path) -> bool:

@@ -128,7 +128,7 @@ def load_manifest(path: str) -> dict[str, Any]:
         raise DataError(f"data path {path} does not exist or is not a directory; fix the data path, or prepare it: "
                         f"{prepare_hint(path)}")
     if os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):
-        raise DataError(f"data path {path} holds an interrupted prepare run; prepare it again: "
+        raise DataError(f"data path {path} holds an incomplete prepare run (it was interrupted); prepare it again: "
                         f"{prepare_hint(path, overwrite=True)}")
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath):

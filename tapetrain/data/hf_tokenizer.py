@@ -74,9 +74,12 @@ class HFTokenizer:
         return found
 
     def side_config(self) -> dict | None:
-        """The tokenizer_config.json a copy of a bare tokenizer.json needs for the EOS named on the command line
-        (None when the tokenizer's own files give its special tokens)."""
-        return {"eos_token": self.piece(self.eos_id)} if self.eos_named else None
+        """The tokenizer_config.json a copy of this tokenizer needs for the EOS named on the command line: its own
+        config (if any) plus that eos_token; None when its own files name the EOS."""
+        if not self.eos_named:
+            return None
+        return {**_read_json(os.path.join(self.directory, "tokenizer_config.json")),
+                "eos_token": self.piece(self.eos_id)}
 
     def _special_ids(self) -> tuple[int, int, int]:
         config = _read_json(os.path.join(self.directory, "tokenizer_config.json"))

@@ -184,6 +184,17 @@ def test_a_bare_tokenizer_json_takes_its_eos_from_the_command_line(toks, corpus,
     assert main([*scrolls, "--eos-token", "<|endoftext|>"]) == 0
     assert open_tokenizer(tokenizer_of(str(tmp_path / "s"))).eos_id == eos
     assert ExampleStore(str(tmp_path / "s")).example(0)[0][-1] == eos
+    # A config that names the BOS but no EOS: the copy keeps the BOS and adds the EOS named.
+    from tapetrain.data.tokenizer import write_copy
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "tokenizer.json").write_bytes(toks["llama3"].read_bytes())
+    config = json.loads((toks["llama3"].parent / "tokenizer_config.json").read_text())
+    (partial / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
+    named = open_tokenizer(str(partial), "<|end_of_text|>")
+    kept = open_tokenizer(write_copy(named, str(tmp_path / "partial-copy")))
+    assert (kept.bos_id, kept.eos_id) == (named.bos_id, named.eos_id) and min(kept.bos_id, kept.eos_id) >= 0
     # A tokenizer whose own config names another EOS is not overridden.
     assert main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(toks["qwen"]), "--out",
                  str(tmp_path / "d2"), "--eos-token", "<|im_end|>"]) == 1
