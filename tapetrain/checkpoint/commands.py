@@ -11,8 +11,12 @@ def export_summary(run_dir: str, result: dict) -> str:
     check = result.get("verification")
     verified = (f"verified: max |Δlogits| {check['max_abs_diff']:.2g} <= {check['tolerance']:.2g}" if check
                 else "not verified (--no-verify)")
-    load = "AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)" if result["remote_code"] else \
-        "AutoModelForCausalLM.from_pretrained(OUT)"
+    # A remote-code export's AutoTokenizer reads config.json (its auto_map) as well: without trust_remote_code it
+    # asks "[y/N]" although the tokenizer class itself is transformers' own.
+    trust = ", trust_remote_code=True" if result["remote_code"] else ""
+    load = f"AutoModelForCausalLM.from_pretrained(OUT{trust})"
+    if result["tokenizer"]["status"] != "none":
+        load += f" and AutoTokenizer.from_pretrained(OUT{trust})"
     return (f"exported {run_dir} step {result['step']} to {result['out_dir']}: {result['architecture']} pe="
             f"{result['pe']} {result['dtype']}, tokenizer {result['tokenizer']['status']}; {verified}\n"
             f"load with {load}; details in {result['out_dir']}/tapetrain_export.json")

@@ -280,10 +280,13 @@ def export_hf(
 
     `tokenizer` defaults to the run config's data.tokenizer. LoRA weights are merged (run_loader).
     """
+    from tapetrain.checkpoint.export_source import run_record
     from tapetrain.checkpoint.run_loader import load_run_model
 
     model, info = load_run_model(run_dir, step)
-    provenance = {"step": info["step"], "checkpoint": info["checkpoint"], "lora_merged": info["lora_merged"],
+    run_dir = Path(info["run_dir"]) if info["run_dir"] else None
+    provenance = {"step": info["step"], **run_record(Path(info["checkpoint"]), run_dir, Path(out_dir)),
+                  "lora_merged": info["lora_merged"],
                   "model_config": info["model_config"]}  # as trained (load_run_model swaps the attention backend)
     return export_model(
         model,

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tapetrain.checkpoint")
 
 CHECKPOINTS = "checkpoints"
+CONFIG_HISTORY = "config_history"  # RUN_DIR/config_history/: the resolved config of every start, one file each
 STATE_FILE = manifest.STATE_FILE
 DAMAGED_SUFFIX = ".damaged"
 _TAG = re.compile(r"^step_(\d{8})$")

@@ -186,7 +186,15 @@ def run_compare(
 def write_report(out: str, entries, evaluations, options, reports, paths, title, notes_text, command) -> dict:
     """summary.json, README.md and the figures; returns the summary."""
     from tapetrain.compare.plots import line_plot, loss_plot, mean_needle_report
-    from tapetrain.compare.report import FIGURES, LOSS_FIGURE, read_metrics, training_rows, write_readme, write_summary
+    from tapetrain.compare.report import (
+        FIGURES,
+        LOSS_FIGURE,
+        has_metrics,
+        read_metrics,
+        training_rows,
+        write_readme,
+        write_summary,
+    )
     from tapetrain.compare.summary import evaluation_summary
     from tapetrain.eval.needle_plots import plot_needle_heatmaps
 
@@ -202,9 +210,13 @@ def write_report(out: str, entries, evaluations, options, reports, paths, title,
         elif evaluation.name == "needle":
             grids = [mean_needle_report([reports["needle"][r.key] for r in e.runs]) for e in entries]
             plot_needle_heatmaps(grids, figure, [e.label for e in entries])
-    curves = {run.key: read_metrics(run.run_dir()) for e in entries for run in e.runs if run.run_dir() is not None}
-    training = training_rows(curves)
-    if training:
+    runs = [run for e in entries for run in e.runs]
+    known_runs = [Path(run.path).resolve() for run in runs if run.kind == "run"]
+    sources = {run.key: source for run in runs if (source := run.training_run(known_runs)) is not None}
+    curves = {key: read_metrics(s.run_dir) for key, s in sources.items()
+              if s.run_dir is not None and has_metrics(s.run_dir)}
+    training = training_rows(sources, curves)
+    if curves:
         loss_plot(curves, os.path.join(out, LOSS_FIGURE))
     title = title or "Comparison: " + ", ".join(e.label for e in entries)
     payload = {

@@ -7,13 +7,16 @@ of the comparison: every seed run is evaluated on its own and the tables show th
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tapetrain.errors import InputError, MissingInputError
+
+if TYPE_CHECKING:
+    from tapetrain.checkpoint.export_source import ExportRun
 
 SEED_DIR = re.compile(r"^seed-(\d+)$")
 LABEL_CHARS = re.compile(r"[^A-Za-z0-9._+-]")
@@ -65,20 +68,17 @@ class ModelRun:
 
         return tokenizer_in(self.path)
 
-    def run_dir(self) -> Path | None:
-        """The training run behind this model, when it is here: the run directory itself, or the run an export
-        was made from (its tapetrain_export.json names the checkpoint)."""
-        root = Path(self.path)
-        if self.kind == "run":
-            return root if (root / "metrics.jsonl").is_file() else None
-        info = root / "tapetrain_export.json"
-        if not info.is_file():
-            return None
-        checkpoint = json.loads(info.read_text()).get("checkpoint")
-        if not checkpoint:
-            return None
-        run = Path(checkpoint).parent.parent
-        return run if (run / "metrics.jsonl").is_file() else None
+    def training_run(self, known_runs: list[Path]) -> ExportRun | None:
+        """The training run behind this model (None when it has none: an export not made by tapetrain, a lone
+        checkpoint): the run directory itself, or the run an export was made from, found by its recorded identity
+        wherever it is now, `known_runs` included (the run directories being compared), or why it was not found."""
+        from tapetrain.checkpoint.export_source import ExportRun, find_export_run
+        from tapetrain.checkpoint.run_loader import resolve_checkpoint
+
+        if self.kind == "hf":
+            return find_export_run(Path(self.path).resolve(), known_runs)
+        _, run_dir = resolve_checkpoint(self.path, verify=False)
+        return ExportRun(run_dir.resolve()) if run_dir is not None else None
 
 
 def _stamp(path: Path) -> list[int]:

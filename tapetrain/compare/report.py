@@ -8,32 +8,43 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tapetrain import atomic_io
 from tapetrain.atomic_io import write_json
 from tapetrain.compare.entries import ModelEntry
 from tapetrain.compare.summary import format_cell, format_difference, judgement
 
+if TYPE_CHECKING:
+    from tapetrain.checkpoint.export_source import ExportRun
+
 FIGURES = {"ppl": "ppl_vs_length.png", "needle": "needle_heatmaps.png", "ruler": "ruler_vs_length.png"}
 LOSS_FIGURE = "loss.png"
+METRICS = "metrics.jsonl"  # the run directory's training log (tapetrain.train.metrics)
+
+
+def has_metrics(run_dir: Path) -> bool:
+    return (run_dir / METRICS).is_file()
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in (run_dir / METRICS).read_text().splitlines() if line.strip()]
 
 
-def training_rows(curves: dict[str, list[dict]]) -> list[dict]:
-    """{model, steps, train_loss, val_loss, val_ppl, tokens_per_s} from each run's metrics.jsonl."""
+def training_rows(sources: dict[str, ExportRun], curves: dict[str, list[dict]]) -> list[dict]:
+    """{model, run, steps, train_loss, val_loss, val_ppl, tokens_per_s, problem} for every model with a training
+    run (`sources`, in report order), from its metrics.jsonl (`curves`); `problem` says why a row has no numbers."""
     rows = []
-    for key, records in curves.items():
+    for key, source in sources.items():
+        records = curves.get(key, [])
         train = [r for r in records if r.get("loss") is not None]
         val = [r for r in records if r.get("val_loss") is not None]
-        if not train:
-            continue
-        last_val = val[-1] if val else {}
-        rows.append({"model": key, "steps": train[-1]["step"], "train_loss": train[-1]["loss"],
+        last_train, last_val = (train[-1] if train else {}), (val[-1] if val else {})
+        problem = source.problem or (None if train else f"no training loss in {source.run_dir / METRICS}")
+        rows.append({"model": key, "run": str(source.run_dir) if source.run_dir else None,
+                     "steps": last_train.get("step"), "train_loss": last_train.get("loss"),
                      "val_loss": last_val.get("val_loss"), "val_ppl": last_val.get("val_ppl"),
-                     "tokens_per_s": train[-1].get("tokens_per_s")})
+                     "tokens_per_s": last_train.get("tokens_per_s"), "problem": problem})
     return rows
 
 
@@ -85,10 +96,15 @@ def write_readme(out_dir: str, title: str, notes: str | None, entries: list[Mode
         lines += ["## Training", "", "| run | steps | final train loss | val loss | val PPL | tokens/s (last log) |",
                   "|---|---|---|---|---|---|"]
         for row in training:
+            if row["problem"]:
+                lines.append(f"| {row['model']} | {row['problem']} | – | – | – | – |")
+                continue
             lines.append(f"| {row['model']} | {row['steps']} | {_number(row['train_loss'], '.4f')} | "
                          f"{_number(row['val_loss'], '.4f')} | {_number(row['val_ppl'], '.2f')} | "
                          f"{_number(row['tokens_per_s'], '.0f')} |")
-        lines += ["", f"![training loss]({LOSS_FIGURE})", ""]
+        lines += [""]
+        if any(row["problem"] is None for row in training):
+            lines += [f"![training loss]({LOSS_FIGURE})", ""]
     for summary in summaries:
         lines += [f"## {summary['title']}", "", summary["description"], ""]
         lines += evaluation_table(summary)

@@ -28,7 +28,7 @@ from tapetrain.config.sections import (
     RunSection,
     TrainSection,
 )
-from tapetrain.config.typed import Locate, build, convert, suggest, to_plain, where
+from tapetrain.config.typed import Locate, UnknownKeys, build, convert, gather, suggest, to_plain, where
 from tapetrain.config.yaml_io import apply_overrides, locator, read_with_bases
 from tapetrain.errors import ConfigError
 
@@ -63,18 +63,21 @@ class RunConfig:
                 )
         if "model" in raw:
             raw["model"] = _expand_preset(raw["model"], locate)
-        unknown = [key for key in raw if key not in SECTION_NAMES]
-        if unknown:
-            key = str(unknown[0])
+        problems = []
+        for key in (str(k) for k in raw if k not in SECTION_NAMES):
             hint = suggest(key, list(SECTION_NAMES))
             moved = _section_of(key) if "did you mean" not in hint else None
             if moved:
                 hint = f"; did you mean {moved!r}? (keys go under their section)"
-            raise ConfigError(f"unknown top-level key {key!r}{where(locate, key)}{hint}")
-        sections = {
-            name: build(tp, raw.get(name, {}), name, locate, elsewhere=_section_of)
-            for name, tp in _section_types().items()
-        }
+            problems.append(f"unknown top-level key {key!r}{where(locate, key)}{hint}")
+        sections, errors = {}, []  # every section is read, so every unknown key is reported at once
+        for name, tp in _section_types().items():
+            sections[name], error = gather(problems, build, tp, raw.get(name, {}), name, locate, elsewhere=_section_of)
+            errors += [error] if error else []
+        if problems:
+            raise UnknownKeys(problems)
+        if errors:
+            raise errors[0]
         cfg = cls(**sections)
         if cfg.data.seq_len is None:
             cfg.data.seq_len = cfg.model.max_seq_len

@@ -19,6 +19,28 @@ from tapetrain.errors import ConfigError
 Locate = Callable[[str], str]
 
 
+class UnknownKeys(ConfigError):
+    """Every unknown key of a config, reported at once (so a config with several typos is fixed in one go)."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        listing = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(problems[0] if len(problems) == 1 else
+                         f"{len(problems)} unknown keys in the config; fix them all:\n{listing}")
+
+
+def gather(problems: list[str], step: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, ConfigError | None]:
+    """(step(*args, **kwargs), None), or (None, its ConfigError) with the unknown keys it found added to `problems`:
+    a caller finishes its other keys, then raises UnknownKeys(problems) if any, else the first other error."""
+    try:
+        return step(*args, **kwargs), None
+    except UnknownKeys as err:
+        problems.extend(err.problems)
+        return None, None
+    except ConfigError as err:
+        return None, err
+
+
 def _no_location(key: str) -> str:
     return ""
 
@@ -174,21 +196,25 @@ def build(
         raw = normalize(raw)
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls) if f.init]
-    unknown = [k for k in raw if k not in names]
-    if unknown:
-        key = unknown[0]
+    problems = []
+    for key in (k for k in raw if k not in names):
         dotted = f"{prefix}.{key}" if prefix else str(key)
         hint = suggest(str(key), names, prefix)
         # The exact name in another section beats a fuzzy match here ('train.lr' -> 'optim.lr', not 'train.lora').
         moved = elsewhere(str(key)) if elsewhere is not None else None
         if moved:
             hint = f"; did you mean {moved!r}? ({key!r} belongs in that section)"
-        raise ConfigError(f"unknown key {dotted!r}{where(locate, dotted)}{hint}")
-    values = {}
+        problems.append(f"unknown key {dotted!r}{where(locate, dotted)}{hint}")
+    values, errors = {}, []
     for name in names:
         if name in raw:
             dotted = f"{prefix}.{name}" if prefix else name
-            values[name] = convert(raw[name], hints[name], dotted, locate)
+            values[name], error = gather(problems, convert, raw[name], hints[name], dotted, locate)
+            errors += [error] if error else []
+    if problems:
+        raise UnknownKeys(problems)
+    if errors:
+        raise errors[0]
     missing = [
         f.name
         for f in dataclasses.fields(cls)

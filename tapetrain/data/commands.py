@@ -28,7 +28,7 @@ def tokenizer(input: list[str], vocab_size: int, out: str, text_key: str = "text
 
 def prepare(input: list[str], tokenizer: str, out: str, text_key: str = "text", val_fraction: float = 0.0,
             workers: int = 1, skip_bad: bool = False, overwrite: bool = False,
-            split_docs_at: int | None = None) -> None:
+            split_docs_at: int | None = None, eos_token: str | None = None) -> None:
     """Tokenize a corpus into token shards + manifest.json (the input of `tapetrain train`).
 
     Args:
@@ -45,11 +45,15 @@ def prepare(input: list[str], tokenizer: str, out: str, text_key: str = "text", 
         overwrite: replace a finished or interrupted run
         split_docs_at: cut every document into pieces of at most this many tokens, each a document (own EOS,
             own train/val draw); for inputs of a few large documents (a .txt file is one document)
+        eos_token: the end-of-text token of a bare tokenizer.json (one whose directory has no
+            tokenizer_config.json naming its eos_token, as the `tokenizers` library trains it), e.g. '<|endoftext|>';
+            the dataset's tokenizer/ copy then names it, and runs on the dataset adopt that copy
     """
     from tapetrain.data.prepare import prepare as prepare_shards
 
     manifest = prepare_shards(input, tokenizer, out, text_key=text_key, val_fraction=val_fraction, workers=workers,
-                              skip_bad=skip_bad, overwrite=overwrite, split_docs_at=split_docs_at)
+                              skip_bad=skip_bad, overwrite=overwrite, split_docs_at=split_docs_at,
+                              eos_token=eos_token)
     splits = ", ".join(f"{name}: {s['num_tokens']} tokens, {s['num_documents']} docs, {len(s['shards'])} shards"
                        for name, s in manifest["splits"].items())
     print(f"wrote {out}: {splits}; skipped {manifest['skipped_records']} bad records")
@@ -90,7 +94,7 @@ def arith(out: str, max_digits: int = 20, eval_max_digits: int = 40, train_examp
 
 
 def scrolls(task: ScrollsTask, input: list[str], tokenizer: str, out: str, seq_len: int = 8192,
-            max_answer_tokens: int | None = None, overwrite: bool = False) -> None:
+            max_answer_tokens: int | None = None, overwrite: bool = False, eos_token: str | None = None) -> None:
     """SCROLLS fine-tuning data: records -> supervised examples (loss on the answer only).
 
     Builds fine-tuning examples from SCROLLS records (id, pid, input, output; jsonl or parquet, or
@@ -104,11 +108,13 @@ def scrolls(task: ScrollsTask, input: list[str], tokenizer: str, out: str, seq_l
         seq_len: tokens per example, prompt + answer + EOS
         max_answer_tokens: answer budget (default: 200 for QA tasks, 1000 for summaries)
         overwrite: replace OUT if it exists
+        eos_token: the end-of-text token of a bare tokenizer.json (no tokenizer_config.json naming its eos_token),
+            e.g. '<|endoftext|>'; the store's copy of the tokenizer then names it
     """
     from tapetrain.data.scrolls import write_scrolls_data
 
     manifest = write_scrolls_data(task, input, tokenizer, out, seq_len=seq_len, max_answer_tokens=max_answer_tokens,
-                                  overwrite=overwrite)
+                                  overwrite=overwrite, eos_token=eos_token)
     info = manifest["task"]
     print(_summary(manifest, out) + f"; {info['records']} records of {info['ids']} ids; prompts truncated in "
           f"{info['truncated_prompts']}, answers in {info['truncated_answers']}")

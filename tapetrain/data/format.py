@@ -9,9 +9,11 @@ token stream is the concatenation of its shards in order. `manifest.json` (writt
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
+import shlex
 from typing import Any
 
 import numpy as np
@@ -109,6 +111,13 @@ def _load_remote_manifest(url: str) -> dict[str, Any]:
         raise
 
 
+def prepare_hint(path: str, overwrite: bool = False) -> str:
+    """The command that prepares `path` (--overwrite where prepare's leftovers are there), as a user types it."""
+    return (f"`tapetrain data prepare --input CORPUS --tokenizer TOKENIZER --out {shlex.quote(path)}"
+            f"{' --overwrite' if overwrite else ''}` (CORPUS: your .jsonl/.txt files, TOKENIZER: a tokenizer.model "
+            "or tokenizer.json)")
+
+
 def load_manifest(path: str) -> dict[str, Any]:
     """Read and sanity-check `path`/manifest.json of a finished prepare run (a local path or a URL)."""
     from tapetrain.data.remote import is_remote
@@ -116,15 +125,18 @@ def load_manifest(path: str) -> dict[str, Any]:
     if is_remote(path):
         return _check_manifest(_load_remote_manifest(path), f"{path.rstrip('/')}/{MANIFEST}")
     if not os.path.isdir(path):
-        raise DataError(f"data path {path} does not exist or is not a directory; run `tapetrain data prepare "
-                        f"--out {path}` first or fix the data path")
+        raise DataError(f"data path {path} does not exist or is not a directory; fix the data path, or prepare it: "
+                        f"{prepare_hint(path)}")
     if os.path.exists(os.path.join(path, INCOMPLETE_MARKER)):
-        raise DataError(f"data path {path} holds an incomplete prepare run; re-run `tapetrain data prepare "
-                        f"--out {path} --overwrite`")
+        raise DataError(f"data path {path} holds an incomplete prepare run (it was interrupted); prepare it again: "
+                        f"{prepare_hint(path, overwrite=True)}")
     mpath = os.path.join(path, MANIFEST)
     if not os.path.isfile(mpath):
-        raise DataError(f"data path {path} has no {MANIFEST}: it is not a prepared dataset; run "
-                        f"`tapetrain data prepare --out {path}` first")
+        if any(glob.glob(os.path.join(path, f"{split}-[0-9]*.bin")) for split in SPLITS):
+            raise DataError(f"data path {path} holds token shards but no {MANIFEST} (an interrupted prepare run, or "
+                            f"the manifest was removed); prepare it again: {prepare_hint(path, overwrite=True)}")
+        raise DataError(f"data path {path} has no {MANIFEST}: it is not a prepared dataset; prepare it: "
+                        f"{prepare_hint(path)}")
     try:
         with open(mpath, encoding="utf-8") as f:
             manifest = json.load(f)

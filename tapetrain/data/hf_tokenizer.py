@@ -4,7 +4,9 @@ tokenizer interface (path, checksum, vocab_size, bos/eos/pad ids, encode, encode
 The special tokens come from the tokenizer's own config files next to tokenizer.json: tokenizer_config.json
 (bos_token, eos_token, pad_token, add_bos_token), else special_tokens_map.json, else config.json's
 bos/eos_token_id. A model whose config names no BOS (Qwen) or sets add_bos_token: false has bos_id -1, so prompts
-and documents start without one, as that model was trained.
+and documents start without one, as that model was trained. A bare tokenizer.json (as the `tokenizers` library
+trains one) names no EOS: the user names it (`--eos-token`), and `side_config()` is the tokenizer_config.json that
+makes a copy of it complete.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class HFTokenizer:
 
     kind = "huggingface"
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos_token: str | None = None):
         import tokenizers
 
         self.path = os.path.abspath(path)
@@ -56,6 +58,28 @@ class HFTokenizer:
                             "model (or its directory), or a sentencepiece .model") from err
         self.checksum = file_sha256(self.path)
         self.bos_id, self.eos_id, self.pad_id = self._special_ids()
+        self.eos_named = eos_token is not None and self.eos_id < 0  # given on the command line, not by its configs
+        if eos_token is not None:
+            self.eos_id = self._named_eos(eos_token)
+
+    def _named_eos(self, eos_token: str) -> int:
+        """The id of the EOS token the user named, checked against the vocabulary and the tokenizer's own configs."""
+        found = self._tok.token_to_id(eos_token)
+        if found is None:
+            raise DataError(f"--eos-token {eos_token!r} is not a token of {self.path}; name one of its special "
+                            "tokens (e.g. '</s>' or '<|endoftext|>': see added_tokens in tokenizer.json)")
+        if self.eos_id >= 0 and found != self.eos_id:
+            raise DataError(f"--eos-token {eos_token!r} (id {found}) is not the EOS the tokenizer's config files name "
+                            f"({self.piece(self.eos_id)!r}, id {self.eos_id}); drop --eos-token")
+        return found
+
+    def side_config(self) -> dict | None:
+        """The tokenizer_config.json a copy of this tokenizer needs for the EOS named on the command line: its own
+        config (if any) plus that eos_token; None when its own files name the EOS."""
+        if not self.eos_named:
+            return None
+        return {**_read_json(os.path.join(self.directory, "tokenizer_config.json")),
+                "eos_token": self.piece(self.eos_id)}
 
     def _special_ids(self) -> tuple[int, int, int]:
         config = _read_json(os.path.join(self.directory, "tokenizer_config.json"))

@@ -14,9 +14,9 @@ OUT only once the manifest is written; so a bad input, a crash or Ctrl-C never t
 Files in OUT that prepare did not write are carried over into the new OUT.
 
 Re-running into the same directory:
-  * a finished run (manifest.json present) is never overwritten unless overwrite=True (--overwrite);
+  * a finished run (manifest.json present) is never overwritten unless --overwrite;
   * a killed run of an older tapetrain (the `.prepare-incomplete` marker, or shards without a manifest in OUT)
-    is not resumed: prepare refuses and asks to delete the directory or pass overwrite=True.
+    is not resumed: prepare refuses and asks to delete the directory or pass --overwrite.
 A run failing with an exception removes its temporary directory; one killed outright leaves it, and the next run
 removes it. If a run is killed between the two renames of the swap, the previous dataset is in `.OUT.prepare-old`.
 """
@@ -47,7 +47,7 @@ from tapetrain.data import publish, remote
 from tapetrain.data.errors import DataError
 from tapetrain.data.hashing import uniform01
 from tapetrain.data.sources import SourceStats, expand_inputs, iter_documents
-from tapetrain.data.tokenizer import open_tokenizer
+from tapetrain.data.tokenizer import open_tokenizer, write_copy
 from tapetrain.progress import progress as progress_bar
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,9 @@ class ChunkEncoder:
     own (its own EOS and its own train/val draw, keyed by (document index, piece index)).
     """
 
-    def __init__(self, tokenizer_path: str, dtype: str, seed: int, val_fraction: float, split_at: int | None = None):
-        self.tok = open_tokenizer(tokenizer_path)
+    def __init__(self, tokenizer_path: str, dtype: str, seed: int, val_fraction: float, split_at: int | None = None,
+                 eos_token: str | None = None):
+        self.tok = open_tokenizer(tokenizer_path, eos_token)
         self.dtype = fmt.DTYPES[dtype]
         self.seed, self.val_fraction, self.split_at = seed, val_fraction, split_at
 
@@ -199,10 +200,10 @@ def _check_out_dir(out_dir: str, overwrite: bool) -> None:
         return
     if os.path.exists(marker) or (_own_files(out_dir) and not os.path.exists(manifest)):
         raise DataError(f"out dir {out_dir} contains an incomplete prepare run (resuming is not "
-                        "supported); delete it or pass --overwrite (overwrite=True) to start over")
+                        "supported); delete it or pass --overwrite to start over")
     if os.path.exists(manifest):
         raise DataError(f"out dir {out_dir} already holds a prepared dataset ({fmt.MANIFEST}); choose "
-                        "another --out or pass --overwrite (overwrite=True) to replace it")
+                        "another --out or pass --overwrite to replace it")
 
 
 def _sibling(out_dir: str, suffix: str) -> str:
@@ -253,14 +254,15 @@ def _install(work: str, out_dir: str) -> None:
 
 def _write_shards(sources: list[str], tok, dtype: str, out_dir: str, text_key: str,
                   val_fraction: float, workers: int, shard_tokens: int, skip_bad: bool, seed: int,
-                  progress: bool, stats: SourceStats, split_at: int | None = None) -> dict[str, Any]:
+                  progress: bool, stats: SourceStats, split_at: int | None = None,
+                  eos_token: str | None = None) -> dict[str, Any]:
     """Read, tokenize and shard everything; return the manifest's "splits" entry."""
     writers = {split: fmt.ShardWriter(out_dir, split, dtype, shard_tokens) for split in fmt.SPLITS}
     docs = (doc.text for doc in iter_documents(sources, text_key=text_key, skip_bad=skip_bad, stats=stats))
     bar = progress_bar(desc="prepare", unit="doc", unit_scale=True, disable=not progress)
     t0, tokens = time.perf_counter(), 0
     with bar:
-        encoded = _encode_all(_chunks(docs), (tok.path, dtype, seed, val_fraction, split_at), workers)
+        encoded = _encode_all(_chunks(docs), (tok.path, dtype, seed, val_fraction, split_at, eos_token), workers)
         for ndocs, (tr, tr_len, va, va_len) in encoded:
             writers["train"].add(tr, tr_len)
             writers["val"].add(va, va_len)
@@ -298,12 +300,14 @@ def prepare(
     overwrite: bool = False,
     progress: bool = True,
     split_docs_at: int | None = None,
+    eos_token: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize `inputs` (globs or hf:NAME[:CONFIG][:SPLIT]) into shards in `out_dir`; return the manifest.
 
     Every document gets one EOS appended (counted in num_tokens). Bad records raise DataError naming file and
     line unless skip_bad, in which case they are counted (manifest "skipped_records") and logged at the end.
-    See the module docstring for determinism and re-run behaviour.
+    See the module docstring for determinism and re-run behaviour. `eos_token` names the EOS of a tokenizer.json
+    whose config files name none; the dataset's tokenizer copy then carries it (a tokenizer_config.json).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"--val-fraction must be in [0, 1), got {val_fraction}; e.g. 0.005")
@@ -311,11 +315,12 @@ def prepare(
         raise DataError(f"--workers must be >= 1, got {workers}")
     if split_docs_at is not None and split_docs_at < 1:
         raise DataError(f"--split-docs-at must be >= 1 token, got {split_docs_at}; e.g. 2048 (or leave it out)")
-    tok = open_tokenizer(tokenizer_path)
+    tok = open_tokenizer(tokenizer_path, eos_token)
     if tok.eos_id < 0:
-        raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS, so use "
-                        "a sentencepiece model trained with eos_id >= 0 (e.g. `tapetrain data tokenizer`) or a "
-                        "tokenizer.json whose tokenizer_config.json names an eos_token")
+        raise DataError(f"tokenizer {tokenizer_path} has no EOS id; prepare separates documents with EOS: name "
+                        "the tokenizer's end-of-text token with --eos-token (e.g. --eos-token '<|endoftext|>'), or use "
+                        "a tokenizer.json whose tokenizer_config.json names an eos_token, or a sentencepiece model "
+                        "trained with eos_id >= 0 (e.g. `tapetrain data tokenizer`)")
     dtype = fmt.token_dtype(tok.vocab_size)
     sources = expand_inputs(inputs)  # fail on bad globs before touching out_dir
     if remote.is_remote(out_dir):  # object storage: write locally, upload, verify (tapetrain.data.publish)
@@ -323,7 +328,8 @@ def prepare(
         with tempfile.TemporaryDirectory(prefix="tapetrain-prepare-") as tmp:
             local = os.path.join(tmp, "data")
             manifest = prepare(sources, tokenizer_path, local, text_key, val_fraction, workers, shard_tokens,
-                               skip_bad, seed, overwrite=False, progress=progress)
+                               skip_bad, seed, overwrite=False, progress=progress, split_docs_at=split_docs_at,
+                               eos_token=eos_token)
             publish.publish(local, out_dir, progress=progress)
         return manifest
     out_dir = os.path.abspath(out_dir)
@@ -333,18 +339,20 @@ def prepare(
     stats = SourceStats()
     try:
         splits = _write_shards(sources, tok, dtype, work, text_key, val_fraction, workers, shard_tokens,
-                               skip_bad, seed, progress, stats, split_docs_at)
+                               skip_bad, seed, progress, stats, split_docs_at, eos_token)
     except BaseException:  # bad input, Ctrl-C, worker crash: out_dir was never touched; drop the work dir
         shutil.rmtree(work, ignore_errors=True)
         raise
-    # A copy of the tokenizer travels with the shards: a run adopts it even where `tok.path` does not exist.
-    os.makedirs(os.path.join(work, TOKENIZER_COPY), exist_ok=True)
-    for path in tok.files:
-        shutil.copyfile(path, os.path.join(work, TOKENIZER_COPY, os.path.basename(path)))
+    # A copy of the tokenizer travels with the shards: a run adopts it even where `tok.path` does not exist. With
+    # an EOS named on the command line only the copy is a complete tokenizer (its tokenizer_config.json names the
+    # EOS), so the manifest names the copy: the run adopts it, keeps it and exports it with its EOS.
+    copy = write_copy(tok, os.path.join(work, TOKENIZER_COPY))
+    named = getattr(tok, "eos_named", False)
     manifest = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,
-        "tokenizer": {"path": tok.path, "sha256": tok.checksum, "kind": tok.kind,
+        "tokenizer": {"path": os.path.join(out_dir, os.path.relpath(copy, work)) if named else tok.path,
+                      "sha256": tok.checksum, "kind": tok.kind,
                       "copy": f"{TOKENIZER_COPY}/{os.path.basename(tok.path)}"},
         "vocab_size": tok.vocab_size,
         "dtype": dtype,

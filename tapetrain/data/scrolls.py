@@ -151,7 +151,8 @@ class PromptBuilder:
             raise DataError(f"--seq-len {seq_len} leaves {self.prompt_budget} prompt tokens after a {self.max_answer}-"
                             "token answer and EOS; raise --seq-len or lower --max-answer-tokens")
         if tokenizer.eos_id < 0:
-            raise DataError(f"tokenizer {tokenizer.path} has no EOS id; examples end their answer with EOS")
+            raise DataError(f"tokenizer {tokenizer.path} has no EOS id; examples end their answer with EOS: name "
+                            "the tokenizer's end-of-text token with --eos-token (e.g. --eos-token '<|endoftext|>')")
         self.bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
         # The instruction's tokens at the end of a summary prompt: measured in context, after a stand-in input.
         stub = tokenizer.encode(SUMMARY_PREFIX + "x")
@@ -182,11 +183,12 @@ class PromptBuilder:
 
 
 def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, out_dir: str, seq_len: int = 8192,
-                       max_answer_tokens: int | None = None, overwrite: bool = False, progress: bool = True) -> dict:
+                       max_answer_tokens: int | None = None, overwrite: bool = False, progress: bool = True,
+                       eos_token: str | None = None) -> dict:
     """`tapetrain data scrolls`: one training example per record, in an example store with a copy of the tokenizer."""
-    from tapetrain.data.tokenizer import open_tokenizer
+    from tapetrain.data.tokenizer import open_tokenizer, write_copy
 
-    tok = open_tokenizer(tokenizer_path)
+    tok = open_tokenizer(tokenizer_path, eos_token)
     builder = PromptBuilder(task, tok, seq_len, max_answer_tokens)
     sources = expand_inputs(inputs)  # bad globs fail before anything is written
     start = time.perf_counter()
@@ -210,10 +212,12 @@ def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, 
                 bar.set_postfix_str(f"{writer.num_tokens / (time.perf_counter() - start) / 1e3:.0f}k tok/s",
                                     refresh=False)
         split = writer.close()
-        # the store keeps its tokenizer: a .model as tokenizer.model, a tokenizer.json with its config files
-        names = [TOKENIZER_FILE] if tok.kind == "sentencepiece" else [os.path.basename(p) for p in tok.files]
-        for source, name in zip(tok.files, names, strict=True):
-            shutil.copyfile(source, os.path.join(tmp, name))
+        # the store keeps its tokenizer: a .model as tokenizer.model, a tokenizer.json with its config files (or
+        # the one that names the EOS given with --eos-token)
+        if tok.kind == "sentencepiece":
+            kept = shutil.copyfile(tok.path, os.path.join(tmp, TOKENIZER_FILE))
+        else:
+            kept = write_copy(tok, tmp)
         info = {
             "name": "scrolls",
             "scrolls_task": task,
@@ -231,7 +235,7 @@ def write_scrolls_data(task: str, inputs: str | list[str], tokenizer_path: str, 
         }
         manifest = write_manifest(tmp, vocab_size=tok.vocab_size, bos_id=tok.bos_id, eos_id=tok.eos_id,
                                   pad_id=tok.pad_id, splits={"train": split}, task=info,
-                                  tokenizer_source=tok.path, tokenizer_file=names[0])
+                                  tokenizer_source=tok.path, tokenizer_file=os.path.basename(kept))
     log.info("data scrolls %s: %d records (%d ids), %d prompts and %d answers truncated, %.1fs", task,
              split["num_examples"], len(ids), truncated_prompts, truncated_answers, time.perf_counter() - start)
     return manifest

@@ -59,14 +59,33 @@ def is_hf_tokenizer_file(path: str) -> bool:
     return path.endswith(".json")
 
 
-def open_tokenizer(path: str):
-    """A sentencepiece `Tokenizer` or an `HFTokenizer` for `path` (a .model, a tokenizer.json, a model dir)."""
+def open_tokenizer(path: str, eos_token: str | None = None):
+    """A sentencepiece `Tokenizer` or an `HFTokenizer` for `path` (a .model, a tokenizer.json, a model dir).
+    `eos_token` (--eos-token) names the EOS of a tokenizer.json whose config files name none."""
     path = resolve_tokenizer_file(path)
     if is_hf_tokenizer_file(path):
         from tapetrain.data.hf_tokenizer import HFTokenizer
 
-        return HFTokenizer(path)
-    return Tokenizer(path)
+        return HFTokenizer(path, eos_token)
+    tok = Tokenizer(path)
+    if eos_token is not None and tok.piece(tok.eos_id) != eos_token:
+        raise DataError(f"--eos-token {eos_token!r}: the sentencepiece model {path} has its own EOS "
+                        f"({tok.piece(tok.eos_id)!r}); drop --eos-token")
+    return tok
+
+
+def write_copy(tok, directory: str) -> str:
+    """Copy a tokenizer's files into `directory` (with the config that names an EOS given on the command line);
+    returns the copy of its tokenizer file."""
+    import json
+
+    os.makedirs(directory, exist_ok=True)
+    for path in tok.files:
+        shutil.copyfile(path, os.path.join(directory, os.path.basename(path)))
+    side = getattr(tok, "side_config", lambda: None)()
+    if side is not None:
+        atomic_io.write_text(os.path.join(directory, "tokenizer_config.json"), json.dumps(side, indent=2) + "\n")
+    return os.path.join(directory, os.path.basename(tok.path))
 
 
 class Tokenizer:

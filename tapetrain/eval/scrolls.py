@@ -77,9 +77,10 @@ def read_predictions(path: str) -> dict[str, str]:
 
 
 def format_scrolls_line(report: dict) -> str:
-    parts = [f"{k} {v:.2f}" for k, v in report["scores"].items() if isinstance(v, float) and k != "scrolls_score"]
+    """One console line; the scores are percentages (scrolls_metrics), printed with their sign."""
+    parts = [f"{k} {v:.2f}%" for k, v in report["scores"].items() if isinstance(v, float) and k != "scrolls_score"]
     return (f"SCROLLS {report['task']} ({report['num_predicted']} ids) of {report['model']}: "
-            f"{report['scores']['scrolls_score_key']} = {report['scores']['scrolls_score']:.2f} ({', '.join(parts)})")
+            f"{report['scores']['scrolls_score_key']} = {report['scores']['scrolls_score']:.2f}% ({', '.join(parts)})")
 
 
 def run_eval_scrolls(model_path: str, task: ScrollsTask, data: str, out: str, *, predictions: str | None = None,

@@ -65,7 +65,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tapetrain.train")
 
-CONFIG_HISTORY = "config_history"
+CONFIG_HISTORY = store.CONFIG_HISTORY
 UNIVERSAL_SCRATCH = "universal.tmp"  # under checkpoints/; removed by remove_incomplete like any *.tmp
 
 # How a checkpoint reaches this start's partitioning: loaded as saved (same rank count, or ZeRO-0), through

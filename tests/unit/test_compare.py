@@ -221,7 +221,7 @@ def test_paired_difference_calls_a_model_better_only_when_resolved(models, tmp_p
 
     def paired_ppl(paths: list[Path], labels: list[str], out: Path) -> tuple[dict, str]:
         run_compare([str(p) for p in paths], out=str(out), suite="ppl", data=str(models["data"]), lengths=[128],
-                    labels=labels)
+                    max_tokens=512, labels=labels)  # 4 windows: the training table is under test
         summary = json.loads((out / "summary.json").read_text())["evaluations"]["ppl"]
         return summary["rows"][1]["paired"][0], (out / "README.md").read_text()
 
@@ -250,3 +250,47 @@ def test_paired_difference_calls_a_model_better_only_when_resolved(models, tmp_p
     assert "not the same windows" in SUITES["ppl"].unpaired(ref, other, 128)
     other["compare_settings"]["protocol"] = "sliding"
     assert SUITES["ppl"].unpaired(ref, other, 128) == "computed with different protocol"
+
+
+def training_table(readme: str) -> dict[str, list[str]]:
+    """{run: cells} of the README's Training table ({} when there is none)."""
+    if "## Training\n" not in readme:
+        return {}
+    section = readme.split("## Training\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| run |")]
+    return {r.strip("|").split("|")[0].strip(): [c.strip() for c in r.strip("|").split("|")[1:]] for r in rows}
+
+
+def test_training_rows_from_any_directory_and_after_the_run_moved(models, tmp_path, monkeypatch):
+    """An export records where its run is (absolute, and relative to the export) and the run's config hash: the
+    Training table keeps every row when compare runs from another directory, after the whole workspace moved, and
+    after the run alone moved (found among the compared runs by its config hash, else the row says it is missing)."""
+    from tapetrain.checkpoint.hf_export import export_hf
+
+    work = tmp_path / "W"
+    shutil.copytree(models["rope"], work / "runs" / "rope")
+    records = [{"step": 1, "loss": 6.25, "tokens_per_s": 1000.0}, {"step": 2, "loss": 6.0, "tokens_per_s": 1200.0}]
+    (work / "runs" / "rope" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    monkeypatch.chdir(work)
+    export_hf("runs/rope", "hf/rope", verify=False)  # the run as typed, relative to W (verified elsewhere)
+    shutil.copytree(work / "hf" / "rope", work / "hf" / "rope_copy")
+
+    def training(paths: list[Path], out: Path, labels: list[str] | None = None) -> dict[str, list[str]]:
+        monkeypatch.chdir("/")
+        run_compare([str(p) for p in paths], out=str(out), suite="ppl", data=str(models["data"]), lengths=[128],
+                    max_tokens=512, labels=labels)  # 4 windows: the training table is under test
+        return training_table((out / "README.md").read_text())
+
+    rows = training([work / "hf" / "rope", work / "hf" / "rope_copy"], tmp_path / "c1")
+    assert rows == {"rope": ["2", "6.0000", "–", "–", "1200"], "rope_copy": ["2", "6.0000", "–", "–", "1200"]}
+
+    moved = tmp_path / "W2"
+    shutil.move(work, moved)  # the whole workspace: the export finds its run relative to itself
+    assert training([moved / "hf" / "rope_copy"], tmp_path / "c2") == {"rope_copy": rows["rope_copy"]}
+
+    (moved / "elsewhere").mkdir()
+    shutil.move(moved / "runs" / "rope", moved / "elsewhere" / "rope")  # the run alone
+    rows = training([moved / "hf" / "rope", moved / "elsewhere" / "rope"], tmp_path / "c3", ["export", "moved"])
+    assert rows == {"export": ["2", "6.0000", "–", "–", "1200"], "moved": ["2", "6.0000", "–", "–", "1200"]}
+    (row,) = training([moved / "hf" / "rope"], tmp_path / "c4").values()
+    assert "run not found" in row[0] and str(work / "runs" / "rope") in row[0], row

@@ -643,3 +643,16 @@ def test_an_override_of_one_exclusive_key_replaces_the_files_other(tmp_path, cap
     both.write_text(f"base: {config}\noptim:\n  warmup_steps: 2\n")  # the file sets both (with its base)
     with pytest.raises(ConfigError, match="both optim.warmup_steps=2 and optim.warmup_ratio=0.1 are set"):
         load_run_config(str(both))
+
+
+def test_every_unknown_key_is_reported_at_once(tmp_path):
+    """Three typos in three places (top level, a section, an override) are one error naming all three with their
+    fixes, not one per run; a single typo reads as before."""
+    text = MINIMAL.replace("  steps: 100", "  stpes: 100\n  lr: 0.001") + "trian:\n  steps: 3\n"
+    msg = error_of(tmp_path, "model.d_modle=64", text=text)
+    assert msg.startswith("4 unknown keys"), msg
+    for expected in ("'trian'", "did you mean 'train'", "'train.stpes'", "did you mean 'train.steps'", "'train.lr'",
+                     "optim.lr", "'model.d_modle'", "did you mean 'model.d_model'", "override 'model.d_modle=64'"):
+        assert expected in msg, (expected, msg)
+    assert error_of(tmp_path, text=MINIMAL.replace("  steps: 100", "  stpes: 100")).startswith(
+        "unknown key 'train.stpes'")

@@ -296,3 +296,34 @@ def test_sigkill_of_prepare_takes_its_workers_down(corpus, tmp_path):
         for pid in [parent.pid, *workers]:
             if _running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_a_missing_manifest_names_a_prepare_command_that_works_as_written(corpus, tmp_path, capsys):
+    """Every state of a data path without a usable manifest (missing, empty, shards left without a manifest, an
+    interrupted run's marker) names a `tapetrain data prepare` command; filled in with the corpus and tokenizer, it
+    runs on that very directory, and no message speaks in Python keywords (overwrite=True)."""
+    import re
+    import shlex
+
+    from tapetrain.cli import main
+
+    states = {
+        "missing": lambda out: None,
+        "empty": lambda out: out.mkdir(),
+        "shards without a manifest": lambda out: (out.mkdir(), (out / "train-00000.bin").write_bytes(b"\0\0")),
+        "interrupted": lambda out: (out.mkdir(), (out / fmt.INCOMPLETE_MARKER).touch()),
+    }
+    for n, (state, make) in enumerate(states.items()):
+        out = tmp_path / f"data{n}"
+        make(out)
+        with pytest.raises(DataError) as raised:
+            fmt.load_manifest(str(out))
+        message = str(raised.value)
+        assert not re.search(r"\w+=(True|False)", message), message
+        (hint,) = re.findall(r"`(tapetrain data prepare [^`]*)`", message)
+        argv = [{"CORPUS": corpus["jsonl"], "TOKENIZER": corpus["tok"]}.get(w, w) for w in shlex.split(hint)[1:]]
+        assert main(argv) == 0, (state, hint, capsys.readouterr().err)
+        assert fmt.load_manifest(str(out))["num_documents"] == len(corpus["docs"]), state
+    with pytest.raises(DataError) as raised:
+        prepare([corpus["jsonl"]], corpus["tok"], str(out), progress=False)
+    assert "--overwrite" in str(raised.value) and "=True" not in str(raised.value)

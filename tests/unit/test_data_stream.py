@@ -182,8 +182,8 @@ def test_missing_shard_and_manifest(data, tmp_path):
     with pytest.raises(DataError, match="train-00001.bin listed in the manifest is missing"):
         PackedDataset(path, SEQ)
     (tmp_path / "copy" / "manifest.json").unlink()
-    with pytest.raises(DataError, match="has no manifest.json: it is not a prepared dataset; run `tapetrain "
-                                        "data prepare"):
+    with pytest.raises(DataError, match="holds token shards but no manifest.json .*; prepare it again: `tapetrain "
+                                        "data prepare .* --overwrite`"):
         PackedDataset(path, SEQ)
     with pytest.raises(DataError, match="does not exist"):
         PackedDataset(str(tmp_path / "nowhere"), SEQ)

@@ -246,3 +246,34 @@ def test_lora_run_exports_merged(tmp_path):
     assert result["lora_merged"] == 4 and result["verification"]["passed"]
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
         assert not [k for k in f.keys() if "lora" in k or "base_layer" in k]
+
+
+@pytest.mark.parametrize("kind", ["tape", "rope"])
+def test_the_closing_hint_loads_model_and_tokenizer_without_a_prompt(tape_export, rope_export, kind, monkeypatch):
+    """`export hf` ends with how to load the export: every call it shows runs as written, and none stops at
+    transformers' "Do you wish to run the custom code? [y/N]" (a remote-code export's AutoTokenizer reads
+    config.json's auto_map too, so it needs trust_remote_code=True as well: in a fresh process
+    `AutoTokenizer.from_pretrained(OUT)` of a TAPE export asks)."""
+    import builtins
+    import re
+
+    import transformers
+
+    from tapetrain.checkpoint.commands import export_summary
+
+    run, out, result = tape_export if kind == "tape" else rope_export
+    calls = re.findall(r"Auto\w+\.from_pretrained\(OUT[^)]*\)", export_summary(str(run), result))
+    assert [c.split(".")[0] for c in calls] == ["AutoModelForCausalLM", "AutoTokenizer"], calls
+
+    def prompted(*_):
+        raise AssertionError("transformers asked whether to run the custom code")
+
+    monkeypatch.setattr(builtins, "input", prompted)
+    for call in calls:
+        names = {"OUT": str(out), "AutoModelForCausalLM": transformers.AutoModelForCausalLM,
+                 "AutoTokenizer": transformers.AutoTokenizer}
+        loaded = eval(call, names)  # noqa: S307 - the hint, run as a user would
+        assert loaded is not None
+    # transformers remembers remote code it was once allowed to run, so in this process (other tests load the
+    # export) the calls above may not ask either way: the flag must be on every call of a remote-code export.
+    assert all(("trust_remote_code=True" in call) == result["remote_code"] for call in calls), calls

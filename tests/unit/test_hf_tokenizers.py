@@ -144,3 +144,58 @@ def test_scrolls_data_with_a_tokenizer_json_keeps_it_and_starts_without_bos(toks
     ids, prompt_len = ExampleStore(str(tmp_path / "s")).example(0)
     assert ids[:prompt_len].tolist() == PromptBuilder("qasper", tok, 256, 16).prompt(row["input"])[0]
     assert ids[0] != tok.bos_id and ids[-1] == tok.eos_id
+
+
+def test_a_bare_tokenizer_json_takes_its_eos_from_the_command_line(toks, corpus, tmp_path, capsys):
+    """A tokenizer.json alone (as the `tokenizers` library trains it: no tokenizer_config.json) names no EOS:
+    prepare says to name it with --eos-token; named, the dataset's tokenizer copy carries it, the manifest names that
+    copy (what a run adopts and keeps), and an export of it gives AutoTokenizer that EOS."""
+    from transformers import AutoTokenizer
+
+    from tapetrain.checkpoint.export_tokenizer import write_tokenizer
+    from tapetrain.data.tokenizer import open_tokenizer
+
+    bare = tmp_path / "bare" / "tokenizer.json"
+    bare.parent.mkdir()
+    bare.write_bytes(toks["qwen"].read_bytes())
+    argv = ["data", "prepare", "--input", str(corpus), "--tokenizer", str(bare), "--out", str(tmp_path / "d")]
+    assert main(argv) == 1
+    assert "has no EOS id" in (err := capsys.readouterr().err) and "--eos-token" in err, err
+    assert main([*argv, "--eos-token", "<|nothing|>"]) == 1
+    assert "--eos-token '<|nothing|>' is not a token of" in capsys.readouterr().err
+    assert main([*argv, "--eos-token", "<|endoftext|>"]) == 0
+    manifest = json.loads((tmp_path / "d" / "manifest.json").read_text())
+    eos = open_tokenizer(str(bare), "<|endoftext|>").eos_id
+    assert eos >= 0 and manifest["eos_id"] == eos
+    copy = Path(manifest["tokenizer"]["path"])
+    assert copy == tmp_path / "d" / "tokenizer" / "tokenizer.json" and copy.read_bytes() == bare.read_bytes()
+    assert open_tokenizer(str(copy)).eos_id == eos  # complete without the flag
+    assert not (bare.parent / "tokenizer_config.json").exists()  # the user's tokenizer is left as it was
+    (tmp_path / "export").mkdir()
+    write_tokenizer(str(copy), tmp_path / "export", 128)
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "export")).eos_token == "<|endoftext|>"
+    # SCROLLS data takes the same option; its store keeps the tokenizer with the EOS named.
+    from tapetrain.data.examples import ExampleStore, tokenizer_of
+
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "scrolls" / "qasper.jsonl"
+    scrolls = ["data", "scrolls", "--task", "qasper", "--input", str(fixture), "--tokenizer", str(bare), "--out",
+               str(tmp_path / "s"), "--seq-len", "256", "--max-answer-tokens", "16"]
+    assert main(scrolls) == 1 and "--eos-token" in capsys.readouterr().err
+    assert main([*scrolls, "--eos-token", "<|endoftext|>"]) == 0
+    assert open_tokenizer(tokenizer_of(str(tmp_path / "s"))).eos_id == eos
+    assert ExampleStore(str(tmp_path / "s")).example(0)[0][-1] == eos
+    # A config that names the BOS but no EOS: the copy keeps the BOS and adds the EOS named.
+    from tapetrain.data.tokenizer import write_copy
+
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    (partial / "tokenizer.json").write_bytes(toks["llama3"].read_bytes())
+    config = json.loads((toks["llama3"].parent / "tokenizer_config.json").read_text())
+    (partial / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": None}))
+    named = open_tokenizer(str(partial), "<|end_of_text|>")
+    kept = open_tokenizer(write_copy(named, str(tmp_path / "partial-copy")))
+    assert (kept.bos_id, kept.eos_id) == (named.bos_id, named.eos_id) and min(kept.bos_id, kept.eos_id) >= 0
+    # A tokenizer whose own config names another EOS is not overridden.
+    assert main(["data", "prepare", "--input", str(corpus), "--tokenizer", str(toks["qwen"]), "--out",
+                 str(tmp_path / "d2"), "--eos-token", "<|im_end|>"]) == 1
+    assert "is not the EOS the tokenizer's config files name" in capsys.readouterr().err

@@ -212,3 +212,20 @@ def test_missing_rouge_score_is_a_clear_error(monkeypatch):
         assert score("quality", {"a": "x"}, {"a": ["x"]})["exact_match"] == 100.0  # EM/F1 need no ROUGE
     finally:
         scrolls_metrics._rouge_scorer.cache_clear()
+
+
+def test_the_console_line_prints_scores_as_percent():
+    """Scores are percentages: 1 exact match in 200 is 0.5%, printed with its sign (it read "0.50", a fraction's
+    look)."""
+    from tapetrain.eval.scrolls import format_scrolls_line
+
+    references = {f"q{i}": ["yes"] for i in range(200)}
+    predictions = {i: ("yes" if i == "q0" else "no") for i in references}
+    scores = score("quality", predictions, references)
+    report = {"task": "quality", "model": "m", "scores": scores, "num_predicted": 200}
+    assert format_scrolls_line(report) == "SCROLLS quality (200 ids) of m: exact_match = 0.50% (exact_match 0.50%)"
+    rouge = {"rouge/rouge1": 40.0, "rouge/rouge2": 10.0, "rouge/rougeL": 30.0, "rouge/geometric_mean": 22.89,
+             "scrolls_score": 22.89, "scrolls_score_key": "rouge/geometric_mean"}
+    line = format_scrolls_line({"task": "qmsum", "model": "m", "scores": rouge, "num_predicted": 3})
+    assert line.endswith("rouge/geometric_mean = 22.89% (rouge/rouge1 40.00%, rouge/rouge2 10.00%, rouge/rougeL "
+                         "30.00%, rouge/geometric_mean 22.89%)"), line
