@@ -185,13 +185,40 @@ def _flex_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs
         return sdpa_attention(q, k, v, e, causal=causal, scale=scale, docs=docs)
 
 
+def _fa4(strategy: str) -> AttentionFn:
+    """A flash-attn-4 backend carrying E by `strategy` (tapetrain.kernels.flash4)."""
+
+    def run(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs=None):
+        if bias is not None:
+            raise ValueError("the flash-attn-4 backends take no additive bias (alibi/fire); set "
+                             "model.attn_backend=sdpa")
+        from tapetrain.kernels.flash4 import fa4_tape_attention  # lazy: flash-attn-4 is optional
+
+        return fa4_tape_attention(q, k, v, e, causal=causal, scale=scale, docs=docs, strategy=strategy)
+
+    return run
+
+
+FA4_BACKENDS = {"fa4": "two_calls", "fa4_wide": "wide", "fa4_wide_fwd": "wide_fwd", "fa4_padded": "padded"}
+
 _IMPLS: dict[str, AttentionFn] = {
     "eager": eager_attention,
     "sdpa": sdpa_attention,
     "triton": _triton_attention,
     "flash": _flash_attention,
     "flex": _flex_attention,
+    **{name: _fa4(strategy) for name, strategy in FA4_BACKENDS.items()},
 }
+
+
+def _module_installed(name: str) -> bool:
+    """Whether module `name` can be imported, without importing it (its parent packages are imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def backend_available(name: str, device: torch.device) -> bool:
@@ -210,14 +237,10 @@ def backend_available(name: str, device: torch.device) -> bool:
         import os
 
         return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    if name == "flash":
-        if device.type != "cuda":
-            return False
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            return False
-        return True
+    if name == "flash":  # flash-attn 2's interface (flash-attn-4 alone makes flash_attn a namespace package)
+        return device.type == "cuda" and _module_installed("flash_attn.flash_attn_interface")
+    if name in FA4_BACKENDS:  # found, not imported: importing it loads CuTe DSL
+        return device.type == "cuda" and _module_installed("flash_attn.cute")
     raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(ATTN_BACKENDS)}")
 
 
