@@ -35,8 +35,8 @@ import torch.nn.functional as F
 STRATEGIES = ("auto", "two_calls", "padded")
 
 
-NOT_INSTALLED = ("flash-attn 2 is not installed (pip install flash-attn --no-build-isolation builds it; the gpu extra "
-                 "installs flash-attn-4, backend fa4); set model.attn_backend=auto")
+NOT_INSTALLED = ("flash-attn is not installed (flash-attn 2: pip install flash-attn --no-build-isolation builds "
+                 "it; the gpu extra installs flash-attn-4, backend fa4); set model.attn_backend=auto")
 
 
 def _flash_attn_func():

@@ -141,7 +141,8 @@ def _unpack_lse(lse: torch.Tensor, batch: int, packing: Packing | None) -> torch
 
 @torch.library.custom_op("tapetrain::fa4_fwd", mutates_args=())
 def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tensor | None,
-            k_ids: torch.Tensor | None, scale: float, causal: bool, bwd_split: int) -> tuple[torch.Tensor, torch.Tensor]:
+            k_ids: torch.Tensor | None, scale: float, causal: bool,
+            bwd_split: int) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ · scale) v: q (B, T, H, D), k (B, S, Hk, D), v (B, S, Hk, Dv) -> out (B, T, H, Dv), lse (B, H, T)
     float32. `bwd_split` > 0: the backward runs as two calls, on value columns [:bwd_split] and [bwd_split:]."""
     packing = _packing(q_ids, k_ids)
