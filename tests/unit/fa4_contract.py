@@ -39,11 +39,16 @@ def _check(q, k, v, packing: Packing | None) -> None:
         assert int(packing.cu_q[-1]) == q.shape[0] and int(packing.cu_k[-1]) == k.shape[0]
 
 
+def _heads_first(x: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """(S, Hx, ·) -> (Hx·groups, S, ·) fp32, each head repeated `groups` times (GQA)."""
+    return x.float().transpose(0, 1).repeat_interleave(groups, dim=0)
+
+
 def _probs(q, k, scale: float, causal: bool, lse: torch.Tensor | None = None):
     """One sequence: q (T, H, D), k (S, Hk, D) -> scores (H, T, S) fp32 masked, P, lse (H, T)."""
     h, t, s = q.shape[1], q.shape[0], k.shape[0]
-    kk = k.float().repeat_interleave(h // k.shape[1], dim=1)
-    scores = torch.einsum("thd,shd->hts", q.float(), kk) * scale
+    kk = _heads_first(k, h // k.shape[1])
+    scores = _heads_first(q) @ kk.transpose(1, 2) * scale
     if causal:
         allowed = torch.arange(s)[None, :] <= torch.arange(s - t, s)[:, None]  # bottom-right aligned
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -65,8 +70,7 @@ class ReferenceFa4Calls:
         outs, lses = [], []
         for qs, ks, vs in zip(_sequences(q, cu_q), _sequences(k, cu_k), _sequences(v, cu_k), strict=True):
             _, p, lse = _probs(qs, ks, scale, causal)
-            vv = vs.float().repeat_interleave(qs.shape[1] // vs.shape[1], dim=1)
-            outs.append(torch.einsum("hts,shd->thd", p, vv))
+            outs.append((p @ _heads_first(vs, qs.shape[1] // vs.shape[1])).transpose(0, 1))  # (T, H, Dv)
             lses.append(lse)
         if packing is None:
             return torch.stack(outs).to(q.dtype), torch.stack(lses)  # (B, T, H, Dv), (B, H, T)
@@ -88,20 +92,18 @@ class ReferenceFa4Calls:
                                            _sequences(out, cu_q), _sequences(dout, cu_q), lse_rows, strict=True):
             ls = ls if packing is None else ls.transpose(0, 1)  # (H, T)
             _, p, _ = _probs(qs, ks, scale, causal, lse=ls)
-            vv = vs.float().repeat_interleave(groups, dim=1)
-            kk = ks.float().repeat_interleave(groups, dim=1)
-            do, o = dos.float(), os.float()
-            dv = torch.einsum("hts,thd->shd", p, do)
-            dp = torch.einsum("thd,shd->hts", do, vv)
-            delta = (do * o).sum(-1).transpose(0, 1)[..., None]  # (H, T, 1)
+            do, o = _heads_first(dos), _heads_first(os)  # (H, T, Dv)
+            dv = p.transpose(1, 2) @ do  # (H, S, Dv)
+            dp = do @ _heads_first(vs, groups).transpose(1, 2)  # (H, T, S)
+            delta = (do * o).sum(-1, keepdim=True)  # (H, T, 1)
             ds = p * (dp - delta) * scale
-            dq = torch.einsum("hts,shd->thd", ds, kk)
-            dk = torch.einsum("hts,thd->shd", ds, qs.float())
+            dq = ds @ _heads_first(ks, groups)  # (H, T, D)
+            dk = ds.transpose(1, 2) @ _heads_first(qs)  # (H, S, D)
 
-            def fold(x: torch.Tensor) -> torch.Tensor:  # (S, H, ·) -> (S, Hk, ·): GQA sums the group's heads
-                return x.view(x.shape[0], -1, groups, x.shape[-1]).sum(2)
+            def fold(x: torch.Tensor) -> torch.Tensor:  # (H, S, ·) -> (S, Hk, ·): GQA sums the group's heads
+                return x.view(-1, groups, *x.shape[1:]).sum(1).transpose(0, 1)
 
-            dqs.append(dq)
+            dqs.append(dq.transpose(0, 1))
             dks.append(fold(dk))
             dvs.append(fold(dv))
         join = torch.stack if packing is None else torch.cat
