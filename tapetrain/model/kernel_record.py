@@ -123,9 +123,10 @@ def fastest_attention(capability: str, dtype: str, head_dim: int, e: bool, docs:
                       candidates: Iterable[str]) -> str | None:
     """The fastest of `candidates` for attention of head dim `head_dim` with those features on this GPU capability,
     by the newest campaign on it that timed any attention of that kind (its `timings`, from the bake-off,
-    tools/benchmark.py bakeoff). A candidate counts only when that bake-off found it exact and timed it, and the
-    record verifies its path (its gpu-marked tests passed: `is_verified`). Candidates are compared on the sequence
-    lengths timed for all of them (sum of fwd+bwd ms); with none in common, on the longest length any was timed at.
+    tools/benchmark.py bakeoff). A candidate counts only when that bake-off found it exact and timed it, and, for
+    a fused path (not PyTorch's own, FALLBACKS), the record verifies it (its gpu-marked tests passed:
+    `is_verified`). Candidates are compared on the sequence lengths timed for all of them (sum of fwd+bwd ms);
+    with none in common, on the longest length any was timed at.
     None when no candidate qualifies: the caller falls back to PyTorch's own kernels."""
     wanted = list(dict.fromkeys(candidates))
     here = sorted((c for c in campaigns() if c.get("capability") == capability), key=lambda c: c.get("date", ""),
@@ -141,8 +142,8 @@ def fastest_attention(capability: str, dtype: str, head_dim: int, e: bool, docs:
         name = entry.get("backend")
         if name in wanted and entry.get("exact") is True and entry.get("fwd_bwd_ms") is not None:
             ms.setdefault(name, {})[int(entry["seq_len"])] = float(entry["fwd_bwd_ms"])
-    ms = {name: by_len for name, by_len in ms.items()
-          if is_verified(KernelKey("attention", name, capability, dtype, e=e, docs=docs, gqa=gqa))}
+    ms = {name: by_len for name, by_len in ms.items() if name in FALLBACKS["attention"]
+          or is_verified(KernelKey("attention", name, capability, dtype, e=e, docs=docs, gqa=gqa))}
     if not ms:
         return None
     common = set.intersection(*(set(by_len) for by_len in ms.values()))
