@@ -31,10 +31,11 @@ def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
     assert proc.returncode == 0, proc.stderr
     planned = _planned(proc.stdout)
     assert planned[:6] == ["install", "env", "gpu-tests-first", "gpu-tests", "kernel-record", "train-1b-compile"]
+    assert "bakeoff" not in planned  # flash-attn-4's stages: a second call (--only gpu-tests-fa4,bakeoff)
     assert "budget 540s" in proc.stdout and "] skipped: its estimate" in proc.stdout
     assert "-m 'gpu or verifies'" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
     every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)
-    for stage in ("install", "gpu-tests", "kernel-tune", "attention-d64", "attention-d128", "train-155m-compile",
+    for stage in ("install", "gpu-tests", "gpu-tests-fa4", "bakeoff", "bakeoff-gqa", "kernel-tune", "attention-d64", "attention-d128", "train-155m-compile",
                   "train-1b", "profile-1b", "engine-155m", "layer-memory", "docmask-155m"):  # fmt: skip
         assert stage in every, stage
     assert not any((tmp_path / "out").iterdir())  # a dry run writes nothing
