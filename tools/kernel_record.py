@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import importlib.metadata
 import json
 import sys
 from pathlib import Path
@@ -34,6 +35,11 @@ def _versions() -> dict[str, str]:
             out[name] = getattr(importlib.import_module(name), "__version__", "?")
         except Exception:  # an absent optional package is a fact to record, not an error
             out[name] = "absent"
+    for dist in ("flash-attn-4", "nvidia-cutlass-dsl"):  # by distribution: importing CuTe DSL costs seconds
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = "absent"
     return out
 
 

@@ -25,8 +25,9 @@ own document (causal within it). Every backend takes it: eager/sdpa as a dense b
 FlexAttention BlockMask, triton as per-token ids, flash as cu_seqlens (flash-attn's varlen call).
 
 Backends: "eager" (the reference), "sdpa" (torch.nn.functional.scaled_dot_product_attention), "triton" (the fused
-kernel in tapetrain.kernels), "flash" (flash-attn, GPU), "flex" (FlexAttention, for document masks). "auto" picks the
-fastest one that supports the call.
+kernel in tapetrain.kernels), "flash" (flash-attn 2, GPU), "flex" (FlexAttention, for document masks), and
+flash-attn-4's "fa4", "fa4_wide", "fa4_wide_fwd", "fa4_padded" (one per way of carrying E; FA4_BACKENDS,
+tapetrain.kernels.flash4). "auto" picks the fastest one that supports the call.
 """
 
 from __future__ import annotations

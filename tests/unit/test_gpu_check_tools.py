@@ -35,8 +35,9 @@ def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
     assert "budget 540s" in proc.stdout and "] skipped: its estimate" in proc.stdout
     assert "-m 'gpu or verifies'" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
     every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)
-    for stage in ("install", "gpu-tests", "gpu-tests-fa4", "bakeoff", "bakeoff-gqa", "kernel-tune", "attention-d64", "attention-d128", "train-155m-compile",
-                  "train-1b", "profile-1b", "engine-155m", "layer-memory", "docmask-155m"):  # fmt: skip
+    for stage in ("install", "gpu-tests", "gpu-tests-fa4", "bakeoff", "bakeoff-gqa", "kernel-tune", "attention-d64",
+                  "attention-d128", "train-155m-compile", "train-1b", "profile-1b", "engine-155m", "layer-memory",
+                  "docmask-155m"):  # fmt: skip
         assert stage in every, stage
     assert not any((tmp_path / "out").iterdir())  # a dry run writes nothing
     assert _check(str(tmp_path), "--budget", "soon").returncode == 2
