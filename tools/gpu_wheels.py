@@ -25,8 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, for tapetrain.atomic_io (stdlib only)
-from tapetrain.atomic_io import write_via  # noqa: E402
+from tapetrain.atomic_io import write_via  # stdlib only; gpu_check.sh puts the repository on PYTHONPATH
 
 MIB = 2**20
 MANIFEST = "manifest.json"
