@@ -138,7 +138,7 @@ def test_custom_ops_pass_opcheck(reference):
                               test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("backend", ["fa4_wide_fwd", "fa4_padded"])
+@pytest.mark.parametrize("backend", ["fa4_wide_fwd"])  # its op carries the split backward; the others are plainer
 def test_compiles_without_a_graph_break(reference, backend):
     q, k, v, e = _inputs(2, e=True)
     mask = _docs()
