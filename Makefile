@@ -105,7 +105,16 @@ GPU_WHEELS_DIR ?= gpu-wheels
 # Versions from the lock; ==X: the version for a package the lock does not hold. xxhash: checkpoint manifests.
 GPU_WHEEL_NAMES ?= hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions zstandard \
 	xxhash liger-kernel==0.8.5
-GPU_WHEEL_SPECS ?= $(shell $(PYTHON) tools/lockfile.py pins $(DEV_LOCK) $(GPU_WHEEL_NAMES))
+# flash-attn-4 (tapetrain/kernels/flash4.py) and what its wheels' metadata requires for CUDA 13 torch: CuTe DSL with
+# only its cu13 libraries (it picks the flavour the driver supports), TVM FFI, quack, the DLPack extension and
+# cuda-bindings (cuda-pathfinder), protobuf, einops. Pinned: flash-attn-4 calls into its interface module.
+GPU_FA4_SPECS ?= flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+	nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 \
+	quack-kernels==0.6.5 torch-c-dlpack-ext==0.1.5 cuda-bindings==13.5.0 cuda-pathfinder==1.9.1 \
+	protobuf==7.36.2 einops==0.8.2
+GPU_WHEEL_SPECS ?= $(shell $(PYTHON) tools/lockfile.py pins $(DEV_LOCK) $(GPU_WHEEL_NAMES)) $(GPU_FA4_SPECS)
+# One device call carries 64 MiB with the repository: the set goes in parts (tools/gpu_wheels.py), one call each.
+GPU_PART_MIB ?= 50
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
 gpu-wheels: setup
@@ -114,6 +123,7 @@ gpu-wheels: setup
 	$(BIN)/python -m pip wheel -q --no-deps --no-build-isolation "$(DEEPSPEED_SPEC)" -w $(GPU_WHEELS_DIR).tmp
 	$(BIN)/python -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) \
 		--implementation cp $(GPU_PLATFORMS) -d $(GPU_WHEELS_DIR).tmp $(GPU_WHEEL_SPECS)
+	$(BIN)/python tools/gpu_wheels.py split $(GPU_WHEELS_DIR).tmp --max-mib $(GPU_PART_MIB)
 	rm -rf $(GPU_WHEELS_DIR) && mv $(GPU_WHEELS_DIR).tmp $(GPU_WHEELS_DIR)
 	ls $(GPU_WHEELS_DIR)
 

@@ -7,6 +7,7 @@
   python tools/benchmark.py engine --preset tiny [--zero-stage 2] --out R.json
   python tools/benchmark.py data [--corpus-mb 8] [--seq-lens 512,2048,8192] [--remote-latency-ms 50] [--out R.json]
   python tools/benchmark.py docmask --preset tiny --seq-len 1024 --docs 8 [--pairs 20] [--pe tape] --out R.json
+  python tools/benchmark.py bakeoff [--head-dims 64,128] [--seq-lens 2048,8192] [--budget-s 180] --out R.json
   python tools/benchmark.py sp --ranks 2 --preset tiny --seq-len 1024 [--pairs 10] [--pe-list tape,rope] --out R.json
 
 Every mode prints a table; with --out it writes JSON (atomically) and a PNG next to it (--plot P.png to move it,
@@ -112,6 +113,34 @@ def _docmask(args: argparse.Namespace) -> int:
                         bench.docmask_report, bench.plot_docmask)
 
 
+def _bakeoff(args: argparse.Namespace) -> int:
+    from tapetrain.bench import bakeoff
+
+    settings = bakeoff.BakeoffSettings(
+        groups=args.groups or bakeoff.default_groups(args.head_dims, args.seq_lens),
+        dtype=args.dtype or "bf16",
+        kv_heads_ratio=args.kv_heads_ratio,
+        candidates=args.candidates,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        budget_s=args.budget_s,
+        tokens=args.tokens,
+        d_model=args.d_model,
+        device=args.device,
+        seed=args.seed,
+    )
+    try:
+        bakeoff.check_settings(settings)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    result = bakeoff.run_bakeoff(settings, progress=not args.no_progress)
+    print(bakeoff.bakeoff_report(result))
+    if args.out:
+        print(f"wrote {bench.write_json_atomic(args.out, result)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser(__doc__).parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
@@ -140,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         return _sp(args)
     if args.mode == "docmask":
         return _docmask(args)
+    if args.mode == "bakeoff":
+        return _bakeoff(args)
     device = bench.pick_device(getattr(args, "device", "auto"))
     cuda = device.type == "cuda"
     dtype = args.dtype or bench.default_dtype(device)

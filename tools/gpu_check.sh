@@ -10,7 +10,7 @@
 # --budget: seconds for all stages (default 540: a 15-minute GPU window less start-up and a margin).
 # --tar FILE: also pack OUT_DIR into one .tgz at the end (for a remote runner that brings back few files).
 # Environment: PYTHON (default python3), TAPETRAIN_GPU_WHEELS (default ./gpu-wheels), TAPETRAIN_GPU_SITE (default
-# /tmp/tapetrain-gpu-site).
+# /tmp/tapetrain-gpu-site), TAPETRAIN_BAKEOFF_BUDGET_S (default 150: when the bake-off starts no new group).
 set -uo pipefail
 
 usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit "${1:-2}"; }
@@ -51,16 +51,26 @@ DESELECT=""
 for node in $FIRST; do DESELECT="$DESELECT --deselect $node"; done
 FIRST_ESTIMATE=0
 [[ -n $FIRST ]] && FIRST_ESTIMATE=55
+FA4_TESTS=tests/gpu/test_gpu_flash4.py  # its own stage: flash-attn-4 compiles each shape (the disk cache keeps them)
+# The campaign record from every test stage's XML so far (a missing one is skipped); gpu-tests-fa4 writes it again.
+RECORD="$PY $REPO/tools/kernel_record.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml $OUT/gpu-tests-fa4.xml --out $OUT/kernel-record.json"
 
 # name | estimate (s: what the stage took on the H200 of 2026-11-27, or on the H100 of 2026-11-23) | limit (s) | command. In priority order: the budget
 # goes to the first stages; a stage whose estimate does not fit what is left is skipped (listed in summary.md).
+# gpu-tests-fa4, bakeoff and bakeoff-gqa have never run: their estimates are guesses (flash-attn-4's compile time
+# per shape is unknown here). The bake-off stops starting groups after its own --budget-s and lists the groups left
+# in bakeoff.json ("follow_up": the command for the next call on the warm machine; then `tools/kernel_record.py
+# add-timings OUT/kernel-record.json` with its JSON). Within the default budget the train step comes first and the
+# flash-attn-4 stages do not fit: they run in a second call with the same OUT_DIR (--only gpu-tests-fa4,bakeoff).
 STAGES=(
   "install|5|90|install_wheels"
   "env|20|60|describe_machine"
   "gpu-tests-first|$FIRST_ESTIMATE|150|cd $REPO && if [ -n \"$FIRST\" ]; then $PYTEST --junitxml=$OUT/gpu-tests-first.xml $FIRST; else echo 'nothing failed in the newest committed campaign'; fi"
-  "gpu-tests|300|360|cd $REPO && $PYTEST -m 'gpu or verifies' $DESELECT --junitxml=$OUT/gpu-tests.xml tests"
-  "kernel-record|15|60|$PY $REPO/tools/kernel_record.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml --out $OUT/kernel-record.json"
+  "gpu-tests|300|360|cd $REPO && $PYTEST -m 'gpu or verifies' $DESELECT --ignore=$FA4_TESTS --junitxml=$OUT/gpu-tests.xml tests"
+  "kernel-record|15|60|$RECORD"
   "train-1b-compile|75|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
+  "gpu-tests-fa4|150|240|cd $REPO && $PYTEST $FA4_TESTS --junitxml=$OUT/gpu-tests-fa4.xml; rc=\$?; $RECORD; exit \$rc"
+  "bakeoff|180|200|$BENCH bakeoff --budget-s ${TAPETRAIN_BAKEOFF_BUDGET_S:-150} --out $OUT/bakeoff.json && $PY $REPO/tools/kernel_record.py add-timings $OUT/kernel-record.json $OUT/bakeoff.json"
   "train-1b-compile-fused|90|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --set tape_fused_updates=true --out $OUT/train-llama-1b-compile-fused.json"
   "layer-memory|30|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
   "profile-1b|60|180|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
@@ -75,16 +85,28 @@ STAGES=(
   "engine-155m|100|150|$BENCH engine --preset paper-155m --seq-len 1024 --batch 16 --zero-stage 2 --steps 10 --warmup 3 --out $OUT/engine-paper-155m.json"
   "layer-32k|60|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=0 --out $OUT/layer-llama2-7b-32k-tiled-0.json"
   "layer-32k-tiled|60|120|$BENCH layer --preset llama2-7b --seq-len 32768 --set tiled_mlp=auto --out $OUT/layer-llama2-7b-32k-tiled-auto.json"
+  "bakeoff-gqa|90|120|$BENCH bakeoff --kv-heads-ratio 4 --groups 128:8192:plain,128:8192:docs --budget-s 60 --out $OUT/bakeoff-gqa.json && $PY $REPO/tools/kernel_record.py add-timings $OUT/kernel-record.json $OUT/bakeoff-gqa.json"
 )
 
 install_wheels() {
+  # The set comes in parts (tools/gpu_wheels.py: one device call carries one): each part present here is staged
+  # in /tmp, and what the parts seen so far complete is installed. rc 3: a wheel still waits for a later part.
   shopt -s nullglob
+  local parts=("$WHEELS"/part-*/manifest.json)
   local wheels=("$WHEELS"/*.whl)
-  if [[ ${#wheels[@]} -eq 0 ]]; then
+  if [[ ${#parts[@]} -eq 0 && ${#wheels[@]} -eq 0 ]]; then
     echo "no wheels in $WHEELS (run 'make gpu-wheels' on a machine with internet and copy gpu-wheels/ here)"
     return 1
   fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+  if [[ ${#wheels[@]} -gt 0 ]]; then  # a flat set (an older gpu-wheels/)
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "${wheels[@]}"
+    return
+  fi
+  local rc=0 manifest
+  for manifest in "${parts[@]}"; do
+    "$PY" "$REPO/tools/gpu_wheels.py" install "$(dirname "$manifest")" --site "$SITE" --python "$PY" || rc=$?
+  done
+  return $rc
 }
 
 describe_machine() {
@@ -93,7 +115,8 @@ describe_machine() {
 import importlib, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-for name in ("triton", "deepspeed", "transformers", "flash_attn", "liger_kernel", "sentencepiece"):
+for name in ("triton", "deepspeed", "transformers", "flash_attn", "flash_attn.cute", "cutlass", "liger_kernel",
+             "sentencepiece"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as err:  # absent optional packages are expected
@@ -110,7 +133,10 @@ wanted() {
 
 if [[ $DRY -eq 1 ]]; then
   echo "gpu_check dry run: would write into $OUT (budget ${BUDGET}s)"
-  echo "  wheels from $WHEELS into $SITE (PYTHONPATH=$SITE:$REPO)"
+  echo "  wheels from $WHEELS into $SITE (PYTHONPATH=$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$REPO)"
+  for manifest in "$WHEELS"/part-*/manifest.json; do
+    [[ -e $manifest ]] && echo "    $(dirname "$manifest"): $(du -sm "$(dirname "$manifest")" | cut -f1) MiB (one device call each)"
+  done
   planned=0
   for entry in "${STAGES[@]}"; do
     IFS='|' read -r name estimate limit cmd <<<"$entry"
@@ -125,7 +151,11 @@ if [[ $DRY -eq 1 ]]; then
   exit 0
 fi
 
-export PYTHONPATH="$SITE:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# CuTe DSL finds its packages through a .pth file, which Python reads in site directories only, not on PYTHONPATH
+export PYTHONPATH="$SITE:$SITE/nvidia_cutlass_dsl/dsl_packages:$REPO${PYTHONPATH:+:$PYTHONPATH}"
+# flash-attn-4 compiles each new shape at its first call; its disk cache keeps them for later stages and calls
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1
+export FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${FLASH_ATTENTION_CUTE_DSL_CACHE_DIR:-/tmp/tapetrain-fa4-cache}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # deepspeed picks the CUDA accelerator itself; keep its JIT builds and Triton's cache inside OUT_DIR's machine tmp
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/tapetrain-triton-cache}

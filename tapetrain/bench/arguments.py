@@ -57,7 +57,7 @@ def add_model_args(p: argparse.ArgumentParser, *, seq_len: int | str, batch: int
         fixed = isinstance(default, int)
         p.add_argument(flag, type=int, default=default if fixed else None,
                        help=f"{what} (default{' ' if fixed else ': '}{default})")
-    p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa, triton, flash")
+    p.add_argument("--backend", default="auto", help="model.attn_backend: auto, eager, sdpa, triton, flash, fa4, ...")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a model config key, e.g. --set n_layers=4 (repeatable)")
 

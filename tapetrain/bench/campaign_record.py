@@ -1,5 +1,6 @@
 """The GPU campaign's side of the kernel record (tapetrain.model.kernel_record): a campaign record from
-the junit XML of the gpu-marked tests, and merging it into the committed record."""
+the junit XML of the gpu-marked tests, the attention bake-off's timings added to it, and merging it into the
+committed record."""
 
 from __future__ import annotations
 
@@ -53,6 +54,33 @@ def record_from_junit(xml_paths: Iterable[Path], *, device: str, capability: str
         paths.append(entry)
     return {"device": device, "capability": capability, "date": date, "versions": versions, "source": source,
             "paths": paths}
+
+
+TIMING_KEY = ("kind", "backend", "dtype", "e", "docs", "gqa", "head_dim", "seq_len")
+
+
+def timings_from_bakeoff(result: dict) -> list[dict]:
+    """The timing entries of one bake-off JSON (tapetrain.bench.bakeoff): every case it tried, `exact` False where
+    its output or a gradient missed the fp32 reference or it failed to run (those have no time)."""
+    out = []
+    for row in result.get("results", ()):
+        entry = {"kind": "attention", "backend": row["backend"], "dtype": result["dtype"], "e": row["e"],
+                 "docs": row["docs"], "gqa": row["gqa"], "head_dim": row["head_dim"], "seq_len": row["seq_len"],
+                 "exact": bool(row.get("exact")) and "error" not in row}
+        if entry["exact"]:
+            entry.update(fwd_bwd_ms=row["fwd_bwd_ms"], fwd_bwd_tflops=row["fwd_bwd_tflops"])
+        out.append(entry)
+    return out
+
+
+def add_timings(campaign: dict, bakeoffs: Iterable[dict]) -> dict:
+    """`campaign` with the bake-offs' timings (a later entry for the same case replaces an earlier one: a follow-up
+    call's results complete the first call's)."""
+    by_key = {tuple(t[k] for k in TIMING_KEY): t for t in campaign.get("timings", ())}
+    for result in bakeoffs:
+        for entry in timings_from_bakeoff(result):
+            by_key[tuple(entry[k] for k in TIMING_KEY)] = entry
+    return {**campaign, "timings": [by_key[k] for k in sorted(by_key, key=repr)]}
 
 
 def merge_campaign(record_file: Path, campaign: dict) -> dict:

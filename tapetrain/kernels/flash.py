@@ -9,7 +9,10 @@ one of two exact strategies:
     W). Zero columns add nothing to QK^T so the logits are unchanged; softmax_scale = 1/sqrt(D) (the real D)
     is passed explicitly. Costs a wider QK^T (W instead of D) and a concatenation.
 
-"auto" uses two_calls; tools/benchmark.py measures both (we cannot measure without a GPU here).
+"auto" uses two_calls. flash-attn 2 has not run on any GPU of the project's campaigns (the package index carries
+only its source, a CUDA build of hours): neither strategy is measured or verified there; `tools/benchmark.py
+attention --backends flash` measures both where it is installed (A100 users). flash-attn-4, its successor, is
+tapetrain.kernels.flash4.
 
 Shapes are heads-first as every attention backend takes them (q (B, H, T, D), k (B, Hk, S, D), v (B, Hv, S, Dv),
 e (B, H, S, De): the heads-first view of TAPE's token-major E (B, S, M, De)); flash-attn wants (B, T, H, D), so
@@ -32,13 +35,15 @@ import torch.nn.functional as F
 STRATEGIES = ("auto", "two_calls", "padded")
 
 
+NOT_INSTALLED = ("flash-attn is not installed (flash-attn 2: pip install flash-attn --no-build-isolation builds "
+                 "it; the gpu extra installs flash-attn-4, backend fa4); set model.attn_backend=auto")
+
+
 def _flash_attn_func():
     try:
         from flash_attn import flash_attn_func
     except ImportError as err:
-        raise ImportError(
-            "flash-attn is not installed; pip install 'tapetrain[gpu]' or set model.attn_backend=sdpa"
-        ) from err
+        raise ImportError(NOT_INSTALLED) from err
     return flash_attn_func
 
 
@@ -88,7 +93,7 @@ def _flash_varlen(q, k, v, *, causal: bool, scale: float, docs) -> torch.Tensor:
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError as err:
-        raise ImportError("flash-attn is not installed; set model.attn_backend=auto") from err
+        raise ImportError(NOT_INSTALLED) from err
     b, h, t, _ = q.shape
     dv = v.shape[-1]
     width = max(q.shape[-1], dv)

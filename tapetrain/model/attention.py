@@ -25,8 +25,10 @@ own document (causal within it). Every backend takes it: eager/sdpa as a dense b
 FlexAttention BlockMask, triton as per-token ids, flash as cu_seqlens (flash-attn's varlen call).
 
 Backends: "eager" (the reference), "sdpa" (torch.nn.functional.scaled_dot_product_attention), "triton" (the fused
-kernel in tapetrain.kernels), "flash" (flash-attn, GPU), "flex" (FlexAttention, for document masks). Which one a
-layer runs is the execution plan's decision (model/execution_plan.py), made once per process.
+kernel in tapetrain.kernels), "flash" (flash-attn 2, GPU), "flex" (FlexAttention, for document masks), and
+flash-attn-4's "fa4", "fa4_wide", "fa4_wide_fwd", "fa4_padded" (one per way of carrying E; FA4_BACKENDS,
+tapetrain.kernels.flash4). Which one a layer runs is the execution plan's decision (model/execution_plan.py), made
+once per process.
 """
 
 from __future__ import annotations
@@ -178,13 +180,41 @@ def _flex_attention(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs
     return flex_document_attention_or(sdpa_attention, q, k, v, e, causal=causal, scale=scale, docs=docs)
 
 
+def _fa4(strategy: str) -> AttentionFn:
+    """A flash-attn-4 backend carrying E by `strategy` (tapetrain.kernels.flash4)."""
+
+    def run(q, k, v, e=None, *, causal=True, scale=None, bias=None, docs=None):
+        if bias is not None:
+            raise ValueError("the flash-attn-4 backends take no additive bias (alibi/fire); set "
+                             "model.attn_backend=sdpa")
+        from tapetrain.kernels.flash4 import fa4_tape_attention  # lazy: flash-attn-4 is optional
+
+        return fa4_tape_attention(q, k, v, e, causal=causal, scale=scale, docs=docs, strategy=strategy)
+
+    return run
+
+
+FALLBACKS = ("eager", "sdpa")  # PyTorch's own: they take every call (bias, any dtype, document masks)
+FA4_BACKENDS = {"fa4": "two_calls", "fa4_wide": "wide", "fa4_wide_fwd": "wide_fwd", "fa4_padded": "padded"}
+
 _IMPLS: dict[str, AttentionFn] = {
     "eager": eager_attention,
     "sdpa": sdpa_attention,
     "triton": _triton_attention,
     "flash": _flash_attention,
     "flex": _flex_attention,
+    **{name: _fa4(strategy) for name, strategy in FA4_BACKENDS.items()},
 }
+
+
+def _module_installed(name: str) -> bool:
+    """Whether module `name` can be imported, without importing it (its parent packages are imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:  # a parent package is missing
+        return False
 
 
 def backend_available(name: str, device: torch.device) -> bool:
@@ -203,19 +233,15 @@ def backend_available(name: str, device: torch.device) -> bool:
         import os
 
         return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
-    if name == "flash":
-        if device.type != "cuda":
-            return False
-        try:
-            import flash_attn  # noqa: F401
-        except ImportError:
-            return False
-        return True
+    if name == "flash":  # flash-attn 2's interface (flash-attn-4 alone makes flash_attn a namespace package)
+        return device.type == "cuda" and _module_installed("flash_attn.flash_attn_interface")
+    if name in FA4_BACKENDS:  # found, not imported: importing it loads CuTe DSL
+        return device.type == "cuda" and _module_installed("flash_attn.cute")
     raise ConfigError(f"model.attn_backend={name!r} is not a backend; choose one of {', '.join(ATTN_BACKENDS)}")
 
 
 def shifted_sparse_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, backend: str = "auto", scale: float | None = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: int, backend: str = "sdpa", scale: float | None = None
 ) -> torch.Tensor:
     """LongLoRA's S²-Attn (training only): causal attention inside groups of `group` tokens; the second half of
     the heads works on the sequence rolled by group/2, so information crosses group borders.

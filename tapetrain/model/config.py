@@ -13,7 +13,9 @@ from tapetrain.model.rope_scaling import RopeScaling, rope_attention_factor, rop
 # The choices of the string-valued keys: the run config's loader checks YAML values against these annotations,
 # validate() checks values set from Python.
 PositionalEncodingName = Literal["tape", "rope", "nope", "alibi", "randpe", "xpos", "fire"]
-AttnBackendName = Literal["auto", "eager", "sdpa", "triton", "flash", "flex"]
+# "flash": flash-attn 2; "fa4*": flash-attn-4, one name per way of carrying TAPE's E (tapetrain/kernels/flash4.py)
+AttnBackendName = Literal["auto", "eager", "sdpa", "triton", "flash", "flex", "fa4", "fa4_wide", "fa4_wide_fwd",
+                          "fa4_padded"]
 LossBackendName = Literal["auto", "chunked", "liger", "plain"]
 TapeHeadMixName = Literal["full", "gain"]
 FamilyName = Literal["llama", "mistral", "qwen2", "qwen3"]
@@ -75,7 +77,9 @@ class ModelConfig:
         256.0, "chunked loss: tokens per chunk are chosen so that one chunk's fp32 logits take at most this many MiB."
     )
     attn_backend: AttnBackendName = option(
-        "auto", "Attention backend: auto, eager, sdpa, triton, flash or flex (FlexAttention; document masks only)."
+        "auto", "Attention backend: auto, eager, sdpa, triton, flash (flash-attn 2), flex (FlexAttention; document "
+        "masks only), or flash-attn-4: fa4 (E as a second call), fa4_wide (one call, values [V ‖ E]), fa4_wide_fwd "
+        "(that forward, a two-call backward) or fa4_padded (q, k padded to 2D).",
     )
     activation_checkpointing: bool = option(False, "Recompute each layer in backward to save activation memory.")
     tiled_mlp: int | Literal["auto"] = option(

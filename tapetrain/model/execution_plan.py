@@ -8,10 +8,11 @@ read a plan from this one function. A model built without one (`Transformer(cfg)
 `auto` means on a CPU, which every device can run.
 
 What `auto` picks:
-  * attention, CUDA: a fused backend only where the newest campaign on this GPU capability verified it for the
-    call's features (TAPE's E as extra values, document masks, GQA); otherwise PyTorch's SDPA. With E on Hopper and
-    newer, cuDNN's SDPA (it takes [V ‖ E] at full width and was measured fastest there). CPU: SDPA, and for document
-    masks without gradients (evaluation) compiled FlexAttention.
+  * attention, CUDA: the fastest candidate the newest bake-off on this GPU capability found exact and timed for the
+    layer's head dim, dtype and features (TAPE's E as extra values, document masks, GQA), among those installed and
+    verified by their gpu-marked tests (kernel_record.fastest_attention: a committed table, no preference order
+    written here); without such timings PyTorch's SDPA. CPU: SDPA, and for document masks without gradients
+    (evaluation) compiled FlexAttention.
   * E updates: fused Triton kernels where their gpu-marked tests passed on this capability, else eager.
   * loss: liger where verified, else the chunked loss.
 A backend named explicitly is checked here (installed, takes the call's bias and mask) and runs; on a GPU where it
@@ -169,8 +170,9 @@ def portable_plan(cfg: ModelConfig) -> ExecutionPlan:
 # ---- attention -----------------------------------------------------------------------------------------------------
 
 
-BACKEND_NEEDS = {"flash": "a CUDA GPU and flash-attn", "triton": "a CUDA GPU and triton (or TRITON_INTERPRET=1)",
-                 "flex": "torch's FlexAttention"}
+BACKEND_NEEDS = {"flash": "a CUDA GPU and flash-attn 2", "triton": "a CUDA GPU and triton (or TRITON_INTERPRET=1)",
+                 "flex": "torch's FlexAttention", **{name: "a CUDA GPU and flash-attn-4 (pip install 'tapetrain[gpu]')"
+                                                    for name in backends.FA4_BACKENDS}}
 
 
 def attention_key(backend: str, device: torch.device, dtype: torch.dtype, *, carries_e: bool, docs: bool = False,
@@ -186,7 +188,7 @@ def _attention(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, carri
     fall back to SDPA: a document-mask call the run never makes)."""
     requested, bias = cfg.attn_backend, cfg.pe in BIAS_PES
     if requested == "auto":
-        return _auto(device, dtype, bias, carries_e, docs, grad, gqa)
+        return _auto(device, dtype, bias, carries_e, docs, grad, gqa, cfg.head_dim)
     if requested not in ATTN_BACKENDS:
         raise ConfigError(f"model.attn_backend={requested!r} is not a backend; choose one of "
                           f"{', '.join(ATTN_BACKENDS)}")
@@ -194,7 +196,7 @@ def _attention(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, carri
         raise ConfigError(f"model.attn_backend={requested} cannot run on this {device.type} machine (it needs "
                           f"{BACKEND_NEEDS.get(requested, requested)}); use model.attn_backend=auto (or sdpa), or "
                           "run on a machine that has it")
-    if requested in ("triton", "flash", "flex") and bias:
+    if requested not in backends.FALLBACKS and bias:
         raise ConfigError(f"model.attn_backend={requested} does not take the additive bias of model.pe={cfg.pe}; "
                           "use model.attn_backend=sdpa (or auto)")
     if requested == "flex" and not docs:
@@ -211,39 +213,20 @@ def _attention(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, carri
 
 
 def _auto(device: torch.device, dtype: torch.dtype, bias: bool, carries_e: bool, docs: bool, grad: bool,
-          gqa: bool) -> str:
-    if device.type != "cuda":  # CPU: SDPA; compiled FlexAttention for document masks without gradients
+          gqa: bool, head_dim: int = 0) -> str:
+    if device.type != "cuda":  # CPU: SDPA; compiled FlexAttention for document masks without gradients (measured,
+        # docs/document-masking.md: 2-4.5x SDPA's boolean mask forward; it has no CPU backward)
         return "flex" if docs and not grad and not bias and backends.backend_available("flex", device) else "sdpa"
     if bias or dtype not in (torch.float16, torch.bfloat16):
-        return "sdpa"
-
-    def verified(name: str) -> bool:
-        return backends.backend_available(name, device) and kernel_record.is_verified(
-            attention_key(name, device, dtype, carries_e=carries_e, docs=docs, gqa=gqa))
-
-    if docs:  # the Triton kernel for [V ‖ E] (it skips other documents' key tiles), flash-attn's varlen, flex
-        if carries_e and verified("triton"):
-            return "triton"
-        if not carries_e and verified("flash"):
-            return "flash"
-        return "flex" if verified("flex") else "sdpa"
-    if carries_e and cudnn_sdpa(device):
-        # Measured on H100 (docs/benchmarks/gpu): cuDNN's attention with [V ‖ E] as 2D-wide values beats the
-        # Triton kernel forward+backward at every length, and the whole training step with it.
-        return "sdpa"
-    if carries_e and verified("triton"):
-        return "triton"
-    if not carries_e and verified("flash"):
-        return "flash"
-    return "sdpa"
-
-
-def cudnn_sdpa(device: torch.device) -> bool:
-    """SDPA runs cuDNN's fused attention here (Hopper or newer, enabled): it takes value widths other than the key
-    width at full speed, which TAPE's [V ‖ E] needs. Elsewhere SDPA would fall back to a slower kernel."""
-    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+        return "sdpa"  # the fused kernels take no additive bias, and are 16-bit only
+    # The GPU: the fastest candidate installed here that the newest bake-off on this capability found exact and
+    # timed for this head dim, dtype and features, and whose gpu-marked tests passed (kernel_record.fastest_attention).
+    # No preference order is written here: without such timings, PyTorch's own SDPA.
+    candidates = [name for name in ATTN_BACKENDS if name not in ("auto", "eager") and (docs or name != "flex")
+                  and backends.backend_available(name, device)]
+    fastest = kernel_record.fastest_attention(kernel_record.capability_of(device), kernel_record.dtype_name(dtype),
+                                              head_dim, carries_e, docs, gqa, candidates)
+    return fastest or "sdpa"
 
 
 def _verdict(backend: str, device: torch.device, dtype: torch.dtype, carries_e: bool, docs: bool, gqa: bool) -> str:

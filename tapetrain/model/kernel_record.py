@@ -10,6 +10,10 @@ and `tapetrain.bench.campaign_record` turns the junit XML into a campaign record
 `auto` picks a fused path (Triton, flash-attn, FlexAttention, liger) only where the newest campaign on that GPU
 capability that tested it saw it pass; otherwise it falls back to PyTorch's own kernels (SDPA, the chunked loss).
 A path named explicitly still runs, with one warning saying it is unverified and how to verify it.
+
+A campaign may also carry `timings` (the attention bake-off, `tools/benchmark.py bakeoff`: fwd+bwd ms and TFLOP/s
+per backend, head dim, sequence length and features, and whether its output and gradients matched the fp32
+reference); `fastest_attention` reads them: `attn_backend: auto` takes the fastest verified exact path.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -106,6 +111,47 @@ def warn_if_unverified(path: KernelKey) -> None:
         "has not been tested on this kind of GPU"  # fmt: skip
     log.warning("%s is unverified: it %s; it runs because it was asked for by name. To verify it, %s",
                 path.describe(), seen, HOW_TO_VERIFY)
+
+
+def _timing_matches(entry: dict, dtype: str, head_dim: int, e: bool, docs: bool, gqa: bool) -> bool:
+    return (entry.get("kind", "attention") == "attention" and entry.get("dtype") == dtype
+            and entry.get("head_dim") == head_dim and bool(entry.get("e")) == e
+            and bool(entry.get("docs")) == docs and bool(entry.get("gqa")) == gqa)
+
+
+def fastest_attention(capability: str, dtype: str, head_dim: int, e: bool, docs: bool, gqa: bool,
+                      candidates: Iterable[str]) -> str | None:
+    """The fastest of `candidates` for attention of head dim `head_dim` with those features on this GPU capability,
+    by the newest campaign on it that timed any attention of that kind (its `timings`, from the bake-off,
+    tools/benchmark.py bakeoff). A candidate counts only when that bake-off found it exact and timed it, and, for
+    a fused path (not PyTorch's own, FALLBACKS), the record verifies it (its gpu-marked tests passed:
+    `is_verified`). Candidates are compared on the sequence lengths timed for all of them (sum of fwd+bwd ms);
+    with none in common, on the longest length any was timed at.
+    None when no candidate qualifies: the caller falls back to PyTorch's own kernels."""
+    wanted = list(dict.fromkeys(candidates))
+    here = sorted((c for c in campaigns() if c.get("capability") == capability), key=lambda c: c.get("date", ""),
+                  reverse=True)
+    for campaign in here:
+        timed = [t for t in campaign.get("timings", ()) if _timing_matches(t, dtype, head_dim, e, docs, gqa)]
+        if timed:
+            break
+    else:
+        return None
+    ms: dict[str, dict[int, float]] = {}
+    for entry in timed:
+        name = entry.get("backend")
+        if name in wanted and entry.get("exact") is True and entry.get("fwd_bwd_ms") is not None:
+            ms.setdefault(name, {})[int(entry["seq_len"])] = float(entry["fwd_bwd_ms"])
+    ms = {name: by_len for name, by_len in ms.items() if name in FALLBACKS["attention"]
+          or is_verified(KernelKey("attention", name, capability, dtype, e=e, docs=docs, gqa=gqa))}
+    if not ms:
+        return None
+    common = set.intersection(*(set(by_len) for by_len in ms.values()))
+    if not common:
+        longest = max(t for by_len in ms.values() for t in by_len)
+        common = {longest}
+        ms = {name: by_len for name, by_len in ms.items() if longest in by_len}
+    return min(ms, key=lambda name: (sum(ms[name][t] for t in common), wanted.index(name)))
 
 
 def clear_cache() -> None:

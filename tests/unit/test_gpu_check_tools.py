@@ -3,6 +3,7 @@ folder `make gpu-wheels` builds (installed with no index), and the kernels' regi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -30,11 +31,13 @@ def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
     assert proc.returncode == 0, proc.stderr
     planned = _planned(proc.stdout)
     assert planned[:6] == ["install", "env", "gpu-tests-first", "gpu-tests", "kernel-record", "train-1b-compile"]
+    assert "bakeoff" not in planned  # flash-attn-4's stages: a second call (--only gpu-tests-fa4,bakeoff)
     assert "budget 540s" in proc.stdout and "] skipped: its estimate" in proc.stdout
     assert "-m 'gpu or verifies'" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
     every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)
-    for stage in ("install", "gpu-tests", "kernel-tune", "attention-d64", "attention-d128", "train-155m-compile",
-                  "train-1b", "profile-1b", "engine-155m", "layer-memory", "docmask-155m"):  # fmt: skip
+    for stage in ("install", "gpu-tests", "gpu-tests-fa4", "bakeoff", "bakeoff-gqa", "kernel-tune", "attention-d64",
+                  "attention-d128", "train-155m-compile", "train-1b", "profile-1b", "engine-155m", "layer-memory",
+                  "docmask-155m"):  # fmt: skip
         assert stage in every, stage
     assert not any((tmp_path / "out").iterdir())  # a dry run writes nothing
     assert _check(str(tmp_path), "--budget", "soon").returncode == 2
@@ -105,8 +108,10 @@ def test_missing_wheels_fail_the_install_stage_clearly(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_wheels_install_without_an_index(tmp_path):
-    """`make gpu-wheels` (for this machine's Python, so the result can be imported here) gives a folder that a
-    `pip install --no-index` fills a fresh target with, and DeepSpeed imports from that target alone."""
+    """`make gpu-wheels` (for this machine's Python, so the result can be imported here) gives parts that each fit
+    one device call (≤ 50 MiB, the repository's few MiB on top stay under the 64 MiB a call carries); installed one
+    after the other with no index (tools/gpu_wheels.py, as gpu_check.sh's install stage does), the wheels are
+    byte for byte those downloaded, and DeepSpeed and flash-attn-4's files come from that target alone."""
     wheels = tmp_path / "wheels"
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     cmd = ["make", "-s", "gpu-wheels", f"GPU_PYTHON={py}", f"GPU_WHEELS_DIR={wheels}", f"PYTHON={sys.executable}"]
@@ -115,11 +120,21 @@ def test_gpu_wheels_install_without_an_index(tmp_path):
     if make.returncode != 0 and any(s in make.stderr for s in offline):
         pytest.skip("no package registry reachable to build the wheel folder (make gpu-wheels needs one)")
     assert make.returncode == 0, make.stderr[-2000:]
-    names = sorted(p.name.split("-")[0].lower() for p in wheels.glob("*.whl"))
-    assert {"deepspeed", "hjson", "pydantic", "pydantic_core", "zstandard"} <= set(names), names
-    site = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
-                    *map(str, wheels.glob("*.whl"))], check=True, timeout=300)  # fmt: skip
+    manifest = json.loads((wheels / "manifest.json").read_text())
+    names = sorted(name.split("-")[0].lower() for name in manifest["wheels"])
+    assert {"deepspeed", "hjson", "pydantic", "pydantic_core", "zstandard", "flash_attn_4", "nvidia_cutlass_dsl",
+            "nvidia_cutlass_dsl_libs_cu13", "quack_kernels", "apache_tvm_ffi", "torch_c_dlpack_ext"} <= set(names)
+    parts = sorted(wheels.glob("part-*"))
+    assert len(parts) == manifest["parts"] >= 2 and not list(wheels.glob("*.whl"))
+    for part in parts:
+        assert sum(f.stat().st_size for f in part.iterdir()) < 50.1 * 2**20, part
+    site, stage = tmp_path / "site", tmp_path / "stage"
+    codes = [subprocess.run([sys.executable, str(REPO / "tools" / "gpu_wheels.py"), "install", str(part),
+                             "--site", str(site), "--stage", str(stage)], timeout=600).returncode for part in parts]
+    assert codes[-1] == 0 and set(codes[:-1]) <= {0, 3}, codes
+    for name, entry in manifest["wheels"].items():  # what was installed is what was downloaded
+        assert hashlib.sha256((stage / name).read_bytes()).hexdigest() == entry["sha256"], name
+    assert (site / "flash_attn" / "cute" / "interface.py").exists()
     probe = subprocess.run(
         [sys.executable, "-c", "import deepspeed, hjson, pydantic, zstandard; print(deepspeed.__file__)"],
         env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True, timeout=300,

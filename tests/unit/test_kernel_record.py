@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tapetrain.bench.campaign_record import merge_campaign, record_from_junit
+from tapetrain.bench.campaign_record import add_timings, merge_campaign, record_from_junit
 from tapetrain.errors import ConfigError
 from tapetrain.model import attention, execution_plan, kernel_record, loss, preset_config
 from tapetrain.model.config import ATTN_BACKENDS, LOSS_BACKENDS
@@ -38,6 +38,22 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="py
 </testsuite></testsuites>"""
 
 
+HEAD_DIM = preset_config("tiny").head_dim
+
+
+def _timed(backend: str, ms: float, *, e: bool = True, docs: bool = False, gqa: bool = False) -> dict:
+    """One bake-off row: `backend` exact and timed at `ms` (fwd+bwd) for the tiny preset's head dim."""
+    return {"backend": backend, "e": e, "docs": docs, "gqa": gqa, "head_dim": HEAD_DIM, "seq_len": 8192,
+            "exact": True, "fwd_bwd_ms": ms, "fwd_bwd_tflops": 100.0}
+
+
+# The bake-off timed the Triton kernel faster than SDPA with E, with and without documents and GQA, and flash-attn
+# fastest without E: what `auto` picks still depends on which of them passed their gpu tests (JUNIT above).
+TIMED = [_timed("sdpa", 9.0, docs=d, gqa=g) for d in (False, True) for g in (False, True)] + \
+        [_timed("triton", 7.0, docs=d, gqa=g) for d in (False, True) for g in (False, True)] + \
+        [_timed("sdpa", 5.0, e=False), _timed("flash", 3.0, e=False)]  # fmt: skip
+
+
 @pytest.fixture
 def record(tmp_path, monkeypatch):
     """A campaign on sm_80 from the junit XML above, as the record `auto` reads."""
@@ -45,6 +61,7 @@ def record(tmp_path, monkeypatch):
     xml.write_text(JUNIT)
     campaign = record_from_junit([xml], device="NVIDIA A100-SXM4-80GB", capability="8.0", date="2026-11-27",
                                  versions={"torch": "2.11.0"})
+    campaign = add_timings(campaign, [{"dtype": dtype, "results": TIMED} for dtype in ("bf16", "fp16")])
     path = tmp_path / "record.json"
     merge_campaign(path, campaign)
     monkeypatch.setenv(kernel_record.RECORD_ENV, str(path))
@@ -58,7 +75,6 @@ def fake_gpu(monkeypatch, capability=(8, 0), installed=("triton",)):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"fake sm_{capability[0]}{capability[1]}")
     monkeypatch.setattr(attention, "backend_available", lambda name, device: name in ("eager", "sdpa", *installed))
-    monkeypatch.setattr(execution_plan, "cudnn_sdpa", lambda device: False)
 
 
 def choose(requested: str, *, has_e: bool, has_docs: bool = False, gqa: bool = False, dtype=torch.bfloat16,
@@ -86,8 +102,8 @@ def test_the_record_holds_passes_failures_and_never_skips(record):
 
 def test_auto_picks_only_what_passed_on_this_capability(record, monkeypatch):
     fake_gpu(monkeypatch, (8, 0), installed=("triton", "flash", "flex"))
-    assert choose("auto", has_e=True) == "triton"  # passed on sm_80
-    assert choose("auto", has_e=False) == "sdpa"  # flash installed but never ran: not picked
+    assert choose("auto", has_e=True) == "triton"  # timed fastest, and passed its tests on sm_80
+    assert choose("auto", has_e=False) == "sdpa"  # flash timed fastest but its tests never ran: not picked
     assert choose("auto", has_e=True, has_docs=True) == "sdpa"  # its docs test failed; flex unrun
     assert choose("auto", has_e=True, dtype=torch.float16) == "triton"
     assert choose("auto", has_e=True, gqa=True) == "sdpa"  # GQA was not part of what passed
