@@ -21,6 +21,7 @@ from tapetrain.model import ModelConfig, Transformer
 from tapetrain.parallel import ParallelLayout
 from tapetrain.train import resume_checks
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
+from tapetrain.train.float8 import apply_float8
 from tapetrain.train.model_init import CHECKPOINT_SHAPE_FIELDS, ROPE_FIELDS, build_model, resolve_model_config
 from tapetrain.train.start_checks import check_attention_backend, check_fused_updates
 from tapetrain.train.startup import StartupClock
@@ -231,6 +232,7 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
 
     # model
     model, total, trainable = _training_model(cfg, model_config, env, ds_config, clock)
+    apply_float8(model, cfg.train.float8, env.device)  # torchao's FP8 linears, before DeepSpeed wraps them
     if sp is not None:
         model.shard_sequence(sp.shard)
 
