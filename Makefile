@@ -103,8 +103,9 @@ clean-demo:
 GPU_PYTHON ?= 3.12
 GPU_WHEELS_DIR ?= gpu-wheels
 # Versions from the lock; ==X: the version for a package the lock does not hold. xxhash: checkpoint manifests.
+# torchao: train.float8 (a cp310-abi3 manylinux wheel, 3.4 MB: any CPython from 3.10 on).
 GPU_WHEEL_NAMES ?= hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions zstandard \
-	xxhash liger-kernel==0.8.5
+	xxhash liger-kernel==0.8.5 torchao
 GPU_WHEEL_SPECS ?= $(shell $(PYTHON) tools/lockfile.py pins $(DEV_LOCK) $(GPU_WHEEL_NAMES))
 GPU_PLATFORMS := --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64
 
