@@ -171,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             backend=args.backend,
             activation_checkpointing=args.activation_checkpointing,
             pe_list=args.pe_list,
+            float8_list=args.float8_list,
             peak_tflops=args.peak_tflops,
             overrides=bench.parse_overrides(args.overrides),
             device=str(device),
