@@ -62,6 +62,8 @@ STAGES=(
   "kernel-record|15|60|$PY $REPO/tools/kernel_record.py from-junit $OUT/gpu-tests-first.xml $OUT/gpu-tests.xml --out $OUT/kernel-record.json"
   "train-1b-compile|75|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --out $OUT/train-llama-1b-compile.json"
   "train-1b-compile-fused|90|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --set tape_fused_updates=true --out $OUT/train-llama-1b-compile-fused.json"
+  "train-1b-float8|300|480|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 10 --warmup 3 --set compile=true --float8-list off,rowwise,tensorwise --out $OUT/train-llama-1b-float8.json"
+  "float8-curve-155m|240|420|$PY $REPO/tools/float8_curve.py --out $OUT/float8-curve --preset paper-155m --steps 300 --recipe rowwise"
   "layer-memory|30|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
   "profile-1b|60|180|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
   "train-155m-compile|55|180|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 12 --warmup 3 --set compile=true --out $OUT/train-paper-155m-compile.json"
@@ -93,7 +95,7 @@ describe_machine() {
 import importlib, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-for name in ("triton", "deepspeed", "transformers", "flash_attn", "liger_kernel", "sentencepiece"):
+for name in ("triton", "deepspeed", "transformers", "flash_attn", "liger_kernel", "torchao", "sentencepiece"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))
     except Exception as err:  # absent optional packages are expected

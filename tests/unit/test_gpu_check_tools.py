@@ -34,7 +34,8 @@ def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
     assert "-m 'gpu or verifies'" in proc.stdout and "benchmark.py train --preset llama-1b" in proc.stdout
     every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)
     for stage in ("install", "gpu-tests", "kernel-tune", "attention-d64", "attention-d128", "train-155m-compile",
-                  "train-1b", "profile-1b", "engine-155m", "layer-memory", "docmask-155m"):  # fmt: skip
+                  "train-1b", "profile-1b", "engine-155m", "layer-memory", "docmask-155m", "train-1b-float8",
+                  "float8-curve-155m"):  # fmt: skip
         assert stage in every, stage
     assert not any((tmp_path / "out").iterdir())  # a dry run writes nothing
     assert _check(str(tmp_path), "--budget", "soon").returncode == 2
@@ -116,7 +117,7 @@ def test_gpu_wheels_install_without_an_index(tmp_path):
         pytest.skip("no package registry reachable to build the wheel folder (make gpu-wheels needs one)")
     assert make.returncode == 0, make.stderr[-2000:]
     names = sorted(p.name.split("-")[0].lower() for p in wheels.glob("*.whl"))
-    assert {"deepspeed", "hjson", "pydantic", "pydantic_core", "zstandard"} <= set(names), names
+    assert {"deepspeed", "hjson", "pydantic", "pydantic_core", "zstandard", "torchao"} <= set(names), names
     site = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", str(site),
                     *map(str, wheels.glob("*.whl"))], check=True, timeout=300)  # fmt: skip
