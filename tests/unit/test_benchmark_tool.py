@@ -357,3 +357,13 @@ def test_train_mode_alternates_float8_variants(tmp_path: Path) -> None:
                                     strict=True)]
     assert result["float8_speedup"]["rope+float8-rowwise"]["median"] == pytest.approx(statistics.median(ratios))
     assert "rope+float8-rowwise: " in proc.stdout
+
+
+def test_train_mode_refuses_float8_on_a_cpu_in_one_line() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("TAPETRAIN_FLOAT8_EMULATE", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "train", "--preset", "tiny", "--seq-len", "64", "--steps", "1",
+                           "--pe-list", "rope", "--float8-list", "off,rowwise"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error: train.float8=rowwise on cpu" in proc.stderr and "set train.float8=off" in proc.stderr
