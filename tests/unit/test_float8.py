@@ -156,3 +156,18 @@ def test_turning_float8_on_or_off_on_resume_is_a_named_change(tmp_path):
     del state["float8"]
     assert resume_checks.setting_changes(state, config("tensorwise"), tmp_path) == [
         "train.float8: 'off' -> 'tensorwise'"]
+
+
+def test_dry_run_refuses_float8_on_a_cpu_before_reading_data(tmp_path, monkeypatch):
+    from tapetrain.config.run_config import load_run_config
+    from tapetrain.distributed import DistEnv
+    from tapetrain.train.preflight import dry_run
+
+    monkeypatch.delenv(EMULATE_ENV, raising=False)
+    path = tmp_path / "c.yaml"
+    path.write_text(f"run: {{out_dir: {tmp_path / 'run'}}}\nmodel: {{preset: tiny}}\n"
+                    f"data: {{train: {tmp_path / 'no-data'}, seq_len: 64}}\ntrain: {{float8: tensorwise}}\n")
+    cfg = load_run_config(str(path)).resolve(world_size=1)
+    with pytest.raises(ConfigError, match="train.float8=tensorwise on cpu.*set train.float8=off"):
+        dry_run(cfg, DistEnv())
+    assert not (tmp_path / "run").exists()
