@@ -103,8 +103,9 @@ clean-demo:
 GPU_PYTHON ?= 3.12
 GPU_WHEELS_DIR ?= gpu-wheels
 # Versions from the lock; ==X: the version for a package the lock does not hold. xxhash: checkpoint manifests.
+# torchao: train.float8 (a cp310-abi3 manylinux wheel, 3.4 MB: any CPython from 3.10 on).
 GPU_WHEEL_NAMES ?= hjson pydantic pydantic-core annotated-types typing-inspection typing-extensions zstandard \
-	xxhash liger-kernel==0.8.5
+	xxhash liger-kernel==0.8.5 torchao
 # flash-attn-4 (tapetrain/kernels/flash4.py) and what its wheels' metadata requires for CUDA 13 torch: CuTe DSL with
 # only its cu13 libraries (it picks the flavour the driver supports), TVM FFI, quack, the DLPack extension and
 # cuda-bindings (cuda-pathfinder), protobuf, einops. Pinned: flash-attn-4 calls into its interface module.

@@ -87,7 +87,8 @@ SLOW_WEIGHT, TEST_WEIGHT = 20.0, 0.5  # rough seconds per test: slow-marked (a l
 HEAVY_UNITS = {
     "tests/unit/test_memory_model.py": 140.0,  # DeepSpeed engines of a 155M model
     "tests/unit/test_document_mask.py": 75.0,  # compiled FlexAttention
-    "tests/unit/test_benchmark_tool.py": 60.0,  # tools/benchmark.py end to end
+    "tests/unit/test_benchmark_tool.py": 90.0,  # tools/benchmark.py end to end
+    "tests/unit/test_float8.py": 30.0,  # torchao's import (~5 s), its emulation, one compiled MLP
     "tests/unit/test_hf_generation.py": 50.0,
     "tests/unit/test_kernel_tape_attention.py": 40.0,  # the Triton interpreter
     "tests/unit/test_document_mask_triton.py": 30.0,

@@ -24,6 +24,7 @@ import torch
 
 from tapetrain import bench
 from tapetrain.bench.cli import build_parser
+from tapetrain.errors import ConfigError
 from tapetrain.model import get_preset
 
 # Per-device defaults: (CPU, CUDA). CPU ones keep each mode under ~2 minutes on 2 shared cores.
@@ -202,12 +203,17 @@ def main(argv: list[str] | None = None) -> int:
             backend=args.backend,
             activation_checkpointing=args.activation_checkpointing,
             pe_list=args.pe_list,
+            float8_list=args.float8_list,
             peak_tflops=args.peak_tflops,
             overrides=bench.parse_overrides(args.overrides),
             device=str(device),
             seed=args.seed,
         )
-        result = bench.run_train_benchmark(settings, progress)
+        try:
+            result = bench.run_train_benchmark(settings, progress)
+        except ConfigError as error:  # train.float8 this device cannot run: one line, before any work
+            print(f"error: {error}", file=sys.stderr)
+            return 2
         _emit(args, result, bench.train_report(result), bench.plot_train)
     elif args.mode == "layer":
         settings = bench.LayerSettings(

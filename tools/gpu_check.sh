@@ -72,6 +72,8 @@ STAGES=(
   "gpu-tests-fa4|150|240|cd $REPO && $PYTEST $FA4_TESTS --junitxml=$OUT/gpu-tests-fa4.xml; rc=\$?; $RECORD; exit \$rc"
   "bakeoff|180|200|$BENCH bakeoff --budget-s ${TAPETRAIN_BAKEOFF_BUDGET_S:-150} --out $OUT/bakeoff.json && $PY $REPO/tools/kernel_record.py add-timings $OUT/kernel-record.json $OUT/bakeoff.json"
   "train-1b-compile-fused|90|240|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 12 --warmup 3 --set compile=true --set tape_fused_updates=true --out $OUT/train-llama-1b-compile-fused.json"
+  "train-1b-float8|300|480|$BENCH train --preset llama-1b --seq-len 2048 --batch 8 --steps 10 --warmup 3 --set compile=true --float8-list off,rowwise,tensorwise --out $OUT/train-llama-1b-float8.json"
+  "float8-curve-155m|240|420|$PY $REPO/tools/float8_curve.py --out $OUT/float8-curve --preset paper-155m --steps 300 --recipe rowwise"
   "layer-memory|30|120|$BENCH layer --preset llama2-7b --seq-len 8192 --out $OUT/layer-llama2-7b.json"
   "profile-1b|60|180|$PY $REPO/tools/profile_step.py --preset llama-1b --seq-len 2048 --batch 8 --set compile=true --out $OUT/profile-llama-1b-compile.json"
   "train-155m-compile|55|180|$BENCH train --preset paper-155m --seq-len 1024 --batch 16 --steps 12 --warmup 3 --set compile=true --out $OUT/train-paper-155m-compile.json"
@@ -115,7 +117,7 @@ describe_machine() {
 import importlib, platform, torch
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-for name in ("triton", "deepspeed", "transformers", "flash_attn", "flash_attn.cute", "cutlass", "liger_kernel",
+for name in ("triton", "deepspeed", "transformers", "flash_attn", "flash_attn.cute", "cutlass", "liger_kernel", "torchao",
              "sentencepiece"):
     try:
         print(name, getattr(importlib.import_module(name), "__version__", "?"))

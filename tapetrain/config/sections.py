@@ -16,6 +16,7 @@ Schedule = Literal["cosine", "linear", "polynomial", "constant", "wsd"]
 Precision = Literal["fp32", "bf16", "fp16"]
 Trainable = Literal["all", "tape", "tape+embed+norm", "lora", "lora+embed+norm"]
 OnNan = Literal["skip", "stop"]
+Float8 = Literal["off", "rowwise", "tensorwise"]
 WandbMode = Literal["online", "offline", "disabled"]
 
 
@@ -220,6 +221,13 @@ class TrainSection:
     )
     profile: ProfileSection | None = option(
         None, "Profile train.profile.steps optimizer steps from start_step with torch.profiler (null = off)."
+    )
+    float8: Float8 = option(
+        "off",
+        "FP8 matmuls through torchao (docs/performance.md): 'rowwise' or 'tensorwise' scaling (torchao's recipes) for "
+        "the attention and MLP projections whose dimensions are multiples of 16; never the embedding, lm_head or "
+        "TAPE's head-axis updates. Needs a GPU with FP8 tensor cores (compute capability 8.9+) and, for speed, "
+        "model.compile=true; 'off' = the precision of deepspeed.precision throughout.",
     )
 
 

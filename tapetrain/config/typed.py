@@ -122,6 +122,8 @@ def convert(value: Any, tp: Any, key: str, locate: Locate = _no_location) -> Any
         raise mismatch()
     if origin is Literal:
         choices = typing.get_args(tp)
+        if value is False and "off" in choices:  # YAML 1.1 reads a bare `off` as false (train.float8: off)
+            return "off"
         if value in choices and type(value) is type(choices[choices.index(value)]):
             return value
         hint = ""

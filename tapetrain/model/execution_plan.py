@@ -75,6 +75,7 @@ class ExecutionPlan:
     loss: str  # "chunked" | "plain" | "liger"
     verdicts: tuple[tuple[str, str], ...] = ()  # (backend, "verified" / "fallback" / "UNVERIFIED ...") per choice
     pe: str = "rope"
+    float8: str = "off"  # train.float8's recipe for the projections (a training run's plan; train/float8.py)
 
     @property
     def fused_updates(self) -> bool:

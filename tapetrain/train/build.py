@@ -22,6 +22,7 @@ from tapetrain.model.execution_plan import ExecutionPlan, resolve_plan
 from tapetrain.parallel import ParallelLayout
 from tapetrain.train import resume_checks
 from tapetrain.train.checkpointing import CheckpointManager, ResumePoint, TrainingProgress
+from tapetrain.train.float8 import apply_float8
 from tapetrain.train.model_init import (
     CHECKPOINT_SHAPE_FIELDS,
     DTYPES,
@@ -80,10 +81,14 @@ def _data_spec(sources: list[DataSource]) -> list[dict]:
 
 def resolve_run_plan(cfg: RunConfig, model_config: ModelConfig, device: torch.device,
                      warn: bool = True) -> ExecutionPlan:
-    """The run's execution plan: model settings × this device × deepspeed.precision × the kernel record, decided
-    once (training, --print-config and --dry-run read it). Raises ConfigError for a setting that cannot run here."""
-    return resolve_plan(model_config, device, DTYPES[cfg.deepspeed.precision], documents=cfg.data.document_mask,
+    """The run's execution plan: model settings × this device × deepspeed.precision × the kernel record, and
+    train.float8's recipe (train/float8.py), decided once (training, --print-config and --dry-run read it). Raises
+    ConfigError for a setting that cannot run here."""
+    from tapetrain.train.float8 import resolve_float8
+
+    plan = resolve_plan(model_config, device, DTYPES[cfg.deepspeed.precision], documents=cfg.data.document_mask,
                         warn=warn)
+    return dataclasses.replace(plan, float8=resolve_float8(cfg.train.float8, device))
 
 
 def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
@@ -246,6 +251,7 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
     # model
     model, total, trainable = _training_model(cfg, model_config, env, ds_config, clock)
     model.use_plan(start.plan)
+    apply_float8(model, start.plan.float8)  # torchao's FP8 linears, before DeepSpeed wraps them
     if sp is not None:
         model.shard_sequence(sp.shard)
 

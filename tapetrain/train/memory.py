@@ -39,6 +39,9 @@ sequence parallelism N (each GPU holds s/N tokens of every sequence; ZeRO still 
                   V·C·4 if the head is trained (`loss_bytes`)
                   plain: b·s·V · (2 + 4 + 4)  16-bit logits, fp32 upcast for the loss and its gradient
 Fused attention never stores the s×s matrix; the math and eager paths add b·H·s²·4 per layer (fp32 softmax).
+float8 (train.float8, torchao's Float8Linear): a converted projection saves its high-precision input and weight,
+as nn.Linear does, and redoes the FP8 casts in backward: no term of its own (exact against saved-tensor hooks in
+torchao's emulation, tests/unit/test_memory_model.py; a compiled layer's partitioner may keep FP8 copies instead).
 """
 
 from __future__ import annotations

@@ -91,9 +91,21 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
         f"tokens in the run: {cfg.tokens_per_step(world) * cfg.train.steps:,} ({cfg.train.steps} steps)",
         *_memory_lines(cfg, model_config, world, total, trainable, plan),
         *(plan.lines(cfg.data.document_mask) if plan is not None else [refusal]),
+        *_float8_lines(cfg, model_config),
     ]
     print("\n".join(lines))
     return 0
+
+
+def _float8_lines(cfg: RunConfig, model_config: ModelConfig) -> list[str]:
+    """train.float8: the conversion rule and what it converts in this model (a meta-device copy), on this device."""
+    from tapetrain.model import Transformer
+    from tapetrain.train.float8 import plan_lines
+
+    with torch.device("meta"):
+        model = Transformer(model_config)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return plan_lines(cfg.train.float8, model, device, compiled=model_config.compile)
 
 
 def run_plan_or_refusal(cfg: RunConfig, model_config: ModelConfig,
@@ -117,12 +129,14 @@ def dry_run(cfg: RunConfig, env: DistEnv) -> int:
         check_before_start,
         data_summary,
         resolve_model_config_agreed,
+        resolve_run_plan,
         run_config_as_written,
     )
     from tapetrain.train.checkpointing import CheckpointManager
     from tapetrain.train.start_checks import check_remote_data
 
     model_config = resolve_model_config_agreed(cfg, env)
+    resolve_run_plan(cfg, model_config, env.device)  # what this device cannot run is refused before data is read
     cfg, tokenizer_origin = run_config_as_written(cfg, model_config)  # the tokenizer a start would adopt
     build_deepspeed_config(cfg, env.world_size)
     start = check_before_start(cfg, env, model_config, CheckpointManager(cfg, env, model_config), tokenizer_origin)

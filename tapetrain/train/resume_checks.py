@@ -33,7 +33,7 @@ log = logging.getLogger("tapetrain.train")
 EXECUTION_ONLY_MODEL_FIELDS = ("attn_backend", "activation_checkpointing", "compile", "loss_backend", "loss_chunk_mib",
                                "tiled_mlp", "tape_fused_updates")
 # Settings a resume applies from the resumed step on (the log lists the ones that changed).
-RESUMABLE_SETTINGS = ("optim", "train.grad_clip", "train.steps")
+RESUMABLE_SETTINGS = ("optim", "train.grad_clip", "train.steps", "train.float8")
 
 
 def _ways_out(run_dir: Path) -> str:
@@ -105,6 +105,7 @@ def training_settings(cfg: RunConfig) -> dict:
         "steps": cfg.train.steps,
         "trainable": cfg.train.trainable,
         "lora": to_plain(cfg.train.lora),
+        "float8": cfg.train.float8,
     }
 
 
@@ -172,6 +173,10 @@ def setting_changes(state: dict, cfg: RunConfig, run_dir: Path) -> list[str]:
     for key in ("grad_clip", "steps"):
         if saved.get(key) is not None and saved[key] != now[key]:
             changes.append(f"train.{key}: {saved[key]!r} -> {now[key]!r}")
+    # train.float8 changes how the matmuls round, never the parameters (dynamic scaling keeps no state); checkpoints
+    # from before the setting ran without it
+    if saved.get("float8", "off") != now["float8"]:
+        changes.append(f"train.float8: {saved.get('float8', 'off')!r} -> {now['float8']!r}")
     return changes
 
 

@@ -57,14 +57,16 @@ def write_config(path: Path, data_dir: Path, out_dir: Path, **sections) -> Path:
     return path
 
 
-def env() -> dict:
+def env(extra: dict | None = None) -> dict:
+    """The launch's environment; `extra` on top (TAPETRAIN_FLOAT8_EMULATE, which only a test that asks gets)."""
     e = dict(os.environ)
     e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     # TRITON_INTERPRET: the kernel test modules set it in this process at import (CPU runs of the Triton kernel);
     # a run inherits it only where a test asks for it, else `model.attn_backend=triton` would pass on a CPU.
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET"):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TRITON_INTERPRET",
+                "TAPETRAIN_FLOAT8_EMULATE"):
         e.pop(key, None)
-    return e
+    return {**e, **(extra or {})}
 
 
 def single_cmd(config: Path, *overrides: str) -> list[str]:
@@ -86,8 +88,8 @@ def launcher_cmd(config: Path, ranks: int, *overrides: str) -> list[str]:
     ]
 
 
-def run(cmd: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: int = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, cwd=REPO, env=env(extra_env), capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         raise AssertionError(
             f"command failed ({proc.returncode}): {' '.join(cmd)}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"

@@ -26,9 +26,11 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tools" / "benchmark.py"
 
 
-def _run(*args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: int = 120, extra_env: dict | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     env.pop("TRITON_INTERPRET", None)  # interpreter timings are meaningless and slow
+    env.pop("TAPETRAIN_FLOAT8_EMULATE", None)
+    env.update(extra_env or {})
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
     )
@@ -337,3 +339,31 @@ def test_warm_up_runs_until_the_ratio_is_steady() -> None:
     wild = warm_until_steady(lambda r: (1.0 + (r % 2) * 0.3, 1.0), min_rounds=2, max_rounds=7)
     assert wild["rounds"] == 7 and not wild["steady"]
     assert not is_steady([1.0, 1.2]) and is_steady([1.0, 1.01, 0.99, 1.0, 1.02, 0.99])
+
+
+def test_train_mode_alternates_float8_variants(tmp_path: Path) -> None:
+    """--float8-list: each PE's float8 variant (torchao's emulation on CPU) alternates with its high-precision twin;
+    the speed ratio is the per-round median of their step times."""
+    out = tmp_path / "train.json"
+    proc = _run("train", "--preset", "tiny", "--seq-len", "64", "--batch", "2", "--steps", "2", "--warmup", "1",
+                "--pe-list", "rope", "--float8-list", "off,rowwise", "--no-progress", "--out", str(out),
+                extra_env={"TAPETRAIN_FLOAT8_EMULATE": "1"})  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["pe_list"] == ["rope", "rope+float8-rowwise"] and result["float8_list"] == ["off", "rowwise"]
+    for name in result["pe_list"]:
+        _check_steps(result[name])
+    assert result["rope"]["final_loss"] != result["rope+float8-rowwise"]["final_loss"]  # FP8 rounding ran
+    ratios = [a / b for a, b in zip(result["rope"]["step_times_s"], result["rope+float8-rowwise"]["step_times_s"],
+                                    strict=True)]
+    assert result["float8_speedup"]["rope+float8-rowwise"]["median"] == pytest.approx(statistics.median(ratios))
+    assert "rope+float8-rowwise: " in proc.stdout
+
+
+def test_train_mode_refuses_float8_on_a_cpu_in_one_line() -> None:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    env.pop("TAPETRAIN_FLOAT8_EMULATE", None)
+    proc = subprocess.run([sys.executable, str(SCRIPT), "train", "--preset", "tiny", "--seq-len", "64", "--steps", "1",
+                           "--pe-list", "rope", "--float8-list", "off,rowwise"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=REPO)  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error: train.float8=rowwise on cpu" in proc.stderr and "set train.float8=off" in proc.stderr

@@ -37,7 +37,7 @@ def test_dry_run_plans_stages_by_priority_within_the_budget(tmp_path):
     every = _planned(_check(str(tmp_path / "out"), "--dry-run", "--budget", "100000").stdout)
     for stage in ("install", "gpu-tests", "gpu-tests-fa4", "bakeoff", "bakeoff-gqa", "kernel-tune", "attention-d64",
                   "attention-d128", "train-155m-compile", "train-1b", "profile-1b", "engine-155m", "layer-memory",
-                  "docmask-155m"):  # fmt: skip
+                  "docmask-155m", "train-1b-float8", "float8-curve-155m"):  # fmt: skip
         assert stage in every, stage
     assert not any((tmp_path / "out").iterdir())  # a dry run writes nothing
     assert _check(str(tmp_path), "--budget", "soon").returncode == 2
@@ -123,7 +123,8 @@ def test_gpu_wheels_install_without_an_index(tmp_path):
     manifest = json.loads((wheels / "manifest.json").read_text())
     names = sorted(name.split("-")[0].lower() for name in manifest["wheels"])
     assert {"deepspeed", "hjson", "pydantic", "pydantic_core", "zstandard", "flash_attn_4", "nvidia_cutlass_dsl",
-            "nvidia_cutlass_dsl_libs_cu13", "quack_kernels", "apache_tvm_ffi", "torch_c_dlpack_ext"} <= set(names)
+            "nvidia_cutlass_dsl_libs_cu13", "quack_kernels", "apache_tvm_ffi", "torch_c_dlpack_ext",
+            "torchao"} <= set(names)
     parts = sorted(wheels.glob("part-*"))
     assert len(parts) == manifest["parts"] >= 2 and not list(wheels.glob("*.whl"))
     for part in parts:

@@ -244,3 +244,26 @@ def test_print_config_and_the_memory_tool_give_the_same_estimate(capsys):
     assert float(row.split("|")[-4]) == pytest.approx(total, abs=0.01)
     assert main(["train", str(repo / "configs" / "demo-tape.yaml"), "--print-config"]) == 0
     assert "fp32 weights and Adam" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("pe", "dtype", "recipe"), [("tape", torch.bfloat16, "rowwise"),
+                                                     ("rope", torch.float32, "tensorwise")])
+def test_float8_layer_saved_bytes_exact(pe, dtype, recipe):
+    """train.float8 in torchao's emulation: a converted projection saves its high-precision input and (a view of)
+    its weight, as nn.Linear does, and redoes the FP8 casts in backward, so the float8 term is zero: the layer's
+    prediction is the measurement, to the byte."""
+    pytest.importorskip("torchao")
+    from tapetrain.train.float8 import convert_model_to_float8
+
+    cfg = preset_config("tiny", pe=pe, n_layers=3, attn_backend="sdpa")
+    torch.manual_seed(0)
+    model = Transformer(cfg).to(dtype)
+    assert len(convert_model_to_float8(model, recipe, emulate=True).converted) == 21
+    assert type(model.layers[1].mlp.down_proj).__name__ == "Float8Linear"
+    b, s = 2, 64
+    ids = torch.randint(0, cfg.vocab_size, (b, s))
+    for layer in (0, 1):
+        updates = cfg.updates_tape_state(layer)
+        path = attention_path("sdpa", "cpu", s, carries_e=updates and cfg.tape_attn_update)
+        predicted = layer_activation_bytes(cfg, b, s, dtype.itemsize, updates, attention=path, first_layer=layer == 0)
+        assert measure_layer_saved_bytes(model, ids, layer) == predicted > 0
