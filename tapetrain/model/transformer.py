@@ -35,6 +35,8 @@ from tapetrain.model.loss import LMHead, cross_entropy
 from tapetrain.model.positions import PositionalEncoding, PositionContext
 from tapetrain.model.sequence_shard import (
     WHOLE_SEQUENCE,
+    AttentionInputs,
+    LocalAttention,
     SequenceShard,
     kept_tokens,
     local_tokens,
@@ -176,7 +178,8 @@ class Attention(nn.Module):
             out = out.transpose(1, 2)
             return out if out_e is None else torch.cat([out, out_e.transpose(1, 2)], dim=-1)
 
-        out = shard.attend(local_attention, q, k, values)  # (B, T/N, H, D [+ D]): this rank's tokens, all heads
+        inputs = AttentionInputs(self.cfg.causal, self.scale, ctx.bias, ctx.xpos, ctx.docs)  # for a ring's blocks
+        out = shard.attend(LocalAttention(local_attention, inputs), q, k, values)  # (B, T/N, H, D [+ D]): all heads
         if e_values is None:
             return out.transpose(1, 2), None
         return out[..., :dv].transpose(1, 2), out[..., dv:].transpose(1, 2)
