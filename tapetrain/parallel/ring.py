@@ -81,6 +81,16 @@ class Ring:
         return finish
 
 
+# A block's attention materialises its scores: queries go through it in tiles of at most this many score elements
+# (B·h·rows·keys), so what one block step allocates is bounded whatever T/R is (train/memory.py: ring_block_bytes).
+TILE_SCORES = 2**25
+
+
+def tile_rows(batch: int, heads: int, queries: int, keys: int) -> int:
+    """Query rows per tile of a block of `keys` keys (all `queries` when they fit in TILE_SCORES)."""
+    return max(1, min(queries, TILE_SCORES // max(1, batch * heads * keys)))
+
+
 def _visible(rows: torch.Tensor, cols: torch.Tensor, inputs: AttentionInputs) -> torch.Tensor | None:
     """(1|B, 1, Tq, Tk) bool: which keys (global indices `cols`) each query (global indices `rows`) may see;
     None = all of them."""
@@ -150,6 +160,16 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor,
     return out * weight_old + block_out * weight_new, merged
 
 
+def _tiles(q: torch.Tensor, cols: torch.Tensor, allowed: torch.Tensor | None):
+    """(row slice, its part of `allowed`) for each tile of this block's query rows that sees a key of it."""
+    rows = tile_rows(q.shape[0], q.shape[1], q.shape[2], cols.shape[0])
+    for first in range(0, q.shape[2], rows):
+        tile = slice(first, first + rows)
+        tile_allowed = None if allowed is None else allowed[..., tile, :]
+        if tile_allowed is None or bool(tile_allowed.any()):
+            yield tile, tile_allowed
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, values, bias, ring: Ring, inputs: AttentionInputs, length: int):
@@ -163,10 +183,11 @@ class _RingAttention(torch.autograd.Function):
             owner = (ring.rank - step) % ring.size
             cols = ring.tokens(owner, length, q.device)
             allowed = _visible(rows, cols, inputs)
-            if allowed is None or bool(allowed.any()):
-                block_bias = None if bias is None else bias.index_select(-1, cols)
-                block_out, block_lse = block_attention(q, *block, block_bias, allowed, rows, cols, inputs)
-                out, lse = _merge(out, lse, block_out, block_lse)
+            for tile, tile_allowed in _tiles(q, cols, allowed):
+                tile_bias = None if bias is None else bias[:, :, tile].index_select(-1, cols)
+                block_out, block_lse = block_attention(q[:, :, tile], *block, tile_bias, tile_allowed, rows[tile],
+                                                       cols, inputs)
+                out[:, :, tile], lse[:, :, tile] = _merge(out[:, :, tile], lse[:, :, tile], block_out, block_lse)
             if pending is not None:
                 block = pending()
         ctx.save_for_backward(q, k, values, bias, out, lse)
@@ -189,22 +210,24 @@ class _RingAttention(torch.autograd.Function):
             owner = (ring.rank - step) % ring.size
             cols = ring.tokens(owner, length, q.device)
             allowed = _visible(rows, cols, inputs)
-            if allowed is None or bool(allowed.any()):
-                leaves = [q.detach().requires_grad_(), *(x.detach().requires_grad_() for x in block)]
-                block_bias = None if bias is None else bias.index_select(-1, cols).detach()
+            for tile, tile_allowed in _tiles(q, cols, allowed):
+                leaves = [q[:, :, tile].detach().requires_grad_(), *(x.detach().requires_grad_() for x in block)]
+                tile_bias = None if bias is None else bias[:, :, tile].index_select(-1, cols).detach()
                 if bias_needs_grad:
-                    block_bias.requires_grad_()
-                    leaves.append(block_bias)
+                    tile_bias.requires_grad_()
+                    leaves.append(tile_bias)
                 with torch.enable_grad():
-                    block_out, block_lse = block_attention(*leaves[:3], block_bias, allowed, rows, cols, inputs)
+                    block_out, block_lse = block_attention(*leaves[:3], tile_bias, tile_allowed, rows[tile], cols,
+                                                           inputs)
                 # out = Σ_j w_j·o_j with w_j = exp(lse_j − lse): ∂/∂o_j = w_j·dout, ∂/∂lse_j = w_j·Σ dout·(o_j − out)
-                weight = torch.exp(block_lse.detach() - lse)
-                grad_block_lse = weight * (grad_out * (block_out.detach() - out)).sum(dim=-1, keepdim=True)
-                found = torch.autograd.grad((block_out, block_lse), leaves, (weight * grad_out, grad_block_lse))
-                grad_q += found[0]
+                weight = torch.exp(block_lse.detach() - lse[:, :, tile])
+                tile_grad = grad_out[:, :, tile]
+                grad_block_lse = weight * (tile_grad * (block_out.detach() - out[:, :, tile])).sum(-1, keepdim=True)
+                found = torch.autograd.grad((block_out, block_lse), leaves, (weight * tile_grad, grad_block_lse))
+                grad_q[:, :, tile] += found[0]
                 grads = (grads[0] + found[1], grads[1] + found[2])
                 if bias_needs_grad:
-                    grad_bias.index_add_(-1, cols, found[3])
+                    grad_bias[:, :, tile].index_add_(-1, cols, found[3])
             # the block's gradients travel on with it; after R steps they are back at its owner
             grads = ring.start_pass(grads)()
             if pending is not None:

@@ -30,7 +30,8 @@ TOL = 1e-5
 LENGTH = 32  # 4 chunks of 8 tokens: rank 0 holds tokens 0-7 and 24-31, rank 1 tokens 8-23
 PES = ("tape", "rope", "nope", "alibi", "randpe", "xpos", "fire")
 MODEL_CASES = [(pe, docs, kv) for pe in PES for docs in (False, True) for kv in (2, 4)]
-OP_CASES = ["causal", "documents-gqa-e", "bias-grad", "xpos-blocks", "not-causal"]
+OP_CASES = ["causal", "documents-gqa-e", "bias-grad", "xpos-blocks", "not-causal", "tiled"]
+TILED_ROWS = 3  # "tiled": the documents-gqa-e and bias-grad inputs with the queries in tiles of 3 rows
 
 
 def test_ring_tokens_are_two_opposite_chunks():
@@ -53,14 +54,15 @@ def _op_inputs(case: str) -> dict:
     """The whole sequences' inputs of one op case, the same on every process (seeded)."""
     gen = torch.Generator().manual_seed(OP_CASES.index(case))
     b, h, d = 2, 4, 8
-    hk = 2 if case == "documents-gqa-e" else 4
-    dv = 2 * d if case == "documents-gqa-e" else d  # [V ‖ E]
+    wide = case in ("documents-gqa-e", "tiled")
+    hk = 2 if wide else 4
+    dv = 2 * d if wide else d  # [V ‖ E]
     q = torch.randn(b, h, LENGTH, d, generator=gen)
     k = torch.randn(b, hk, LENGTH, d, generator=gen)
     values = torch.randn(b, h if dv > d else hk, LENGTH, dv, generator=gen)
-    bias = torch.randn(b, h, LENGTH, LENGTH, generator=gen) if case == "bias-grad" else None
+    bias = torch.randn(b, h, LENGTH, LENGTH, generator=gen) if case in ("bias-grad", "tiled") else None
     grad_out = torch.randn(b, h, LENGTH, dv, generator=gen)
-    docs = DocumentMask.of(_doc_ids()) if case == "documents-gqa-e" else None
+    docs = DocumentMask.of(_doc_ids()) if wide else None
     decay = None
     if case == "xpos-blocks":
         positions = torch.arange(LENGTH, dtype=torch.float64).expand(b, LENGTH) + 3
@@ -84,8 +86,19 @@ def _reference_op(case: str) -> dict:
 
 
 def _ring_op(case: str, ring) -> dict:
-    from tapetrain.parallel.ring import ring_attention
+    from tapetrain.parallel import ring as ring_module
 
+    default = ring_module.TILE_SCORES
+    if case == "tiled":
+        ring_module.TILE_SCORES = 2 * 4 * (LENGTH // 2) * TILED_ROWS  # B·h·keys of a block × rows
+        assert ring_module.tile_rows(2, 4, LENGTH // 2, LENGTH // 2) == TILED_ROWS
+    try:
+        return _ring_op_run(case, ring, ring_module.ring_attention)
+    finally:
+        ring_module.TILE_SCORES = default
+
+
+def _ring_op_run(case: str, ring, ring_attention) -> dict:
     x = _op_inputs(case)
     rows = ring_tokens(ring.rank, ring.size, LENGTH)
     leaves = {name: x[name][:, :, rows].clone().requires_grad_() for name in ("q", "k", "values")}
