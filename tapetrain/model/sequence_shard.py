@@ -128,6 +128,11 @@ def local_heads(shard: SequenceShard, n_heads: int) -> slice:
     return _contiguous(shard, n_heads) if heads is None else heads(n_heads)
 
 
+def head_split(shard: SequenceShard) -> int:
+    """How many ranks split the heads inside `attend` (N for Ulysses; a ring splits none: only its U)."""
+    return getattr(shard, "head_split", shard.size)
+
+
 def kept_tokens(shard: SequenceShard, tokens: int, keep: int) -> slice | torch.Tensor:
     """This rank's part of the whole sequences' last `keep` positions (all its `tokens` for keep <= 0), as a slice of
     (or indices into) its own tokens: empty on a rank that holds none of them."""

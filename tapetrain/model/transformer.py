@@ -38,6 +38,7 @@ from tapetrain.model.sequence_shard import (
     AttentionInputs,
     LocalAttention,
     SequenceShard,
+    head_split,
     kept_tokens,
     local_tokens,
     whole_sequence_mean,
@@ -160,9 +161,10 @@ class Attention(nn.Module):
         """
         shard, dv = ctx.shard, self.head_dim
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # token-major (B, T/N, ·, D) views
-        if k.shape[2] % shard.size:
+        split = head_split(shard)  # the ranks the heads are split over (a ring's are not)
+        if k.shape[2] % split:
             k = k.repeat_interleave(self.n_heads // k.shape[2], dim=2)
-        if e_values is not None or v.shape[2] % shard.size:
+        if e_values is not None or v.shape[2] % split:
             v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
         values = v if e_values is None else torch.cat([v, e_values], dim=-1)  # (B, T/N, Hv, D [+ D])
 

@@ -34,6 +34,11 @@ class RingShard:
         self.source = torch.distributed.get_global_rank(group, 0)
 
     @property
+    def head_split(self) -> int:
+        """Only Ulysses splits the heads: keys travel around the ring at their own head count when U divides it."""
+        return self.ulysses_size
+
+    @property
     def ulysses_rank(self) -> int:
         return self.rank % self.ulysses_size
 

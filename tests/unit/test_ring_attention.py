@@ -5,7 +5,8 @@ One spawn of two processes runs every case (the process start and the imports ar
     a bias that takes a gradient (FIRE's way) and xPos's decay in several query blocks; forward and the gradients
     of q, k, values and bias within 1e-5 of eager attention on the whole sequence;
   * the model: R = 2 ring shard against the unsharded model for all seven encodings, with and without packed
-    documents, GQA and MHA: loss and every parameter's gradient (the two ranks' shares summed) within 1e-5.
+    documents, GQA and MHA: loss and every parameter's gradient (the two ranks' shares summed) within 1e-5;
+  * memory: at R = 2 each rank saves at most 0.55 of what one rank saves for backward at 2048 tokens.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ TOL = 1e-5
 LENGTH = 32  # 4 chunks of 8 tokens: rank 0 holds tokens 0-7 and 24-31, rank 1 tokens 8-23
 PES = ("tape", "rope", "nope", "alibi", "randpe", "xpos", "fire")
 MODEL_CASES = [(pe, docs, kv) for pe in PES for docs in (False, True) for kv in (2, 4)]
+MODEL_CASES.append(("rope", True, 1))  # MQA: one key head travels around the ring as it is
 OP_CASES = ["causal", "documents-gqa-e", "bias-grad", "xpos-blocks", "not-causal", "tiled"]
+SAVED_LENGTH = 2048  # the saved-bytes check's sequence
 TILED_ROWS = 3  # "tiled": the documents-gqa-e and bias-grad inputs with the queries in tiles of 3 rows
 
 
@@ -133,6 +136,19 @@ def _model_grads(model, ids, labels, doc_ids) -> tuple[torch.Tensor, dict]:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _saved_bytes_one_and_two(shard) -> tuple[int, int]:
+    """Bytes a TAPE training forward of SAVED_LENGTH tokens saves for backward on this rank: alone, and at R = 2."""
+    from tapetrain.bench.sp import saved_bytes
+
+    model = build("tape", max_seq_len=SAVED_LENGTH).train()
+    ids = torch.randint(0, 512, (1, SAVED_LENGTH + 1), generator=torch.Generator().manual_seed(2))
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+    alone = saved_bytes(model, lambda: model(inputs, labels=labels).loss)
+    model.shard_sequence(shard)
+    mine = shard.tokens(SAVED_LENGTH)
+    return alone, saved_bytes(model, lambda: model(inputs[:, mine], labels=labels[:, mine]).loss)
+
+
 def _worker(rank: int, init_file: str, out_dir: str) -> None:
     from tapetrain.parallel.context import RingShard
     from tapetrain.parallel.ring import Ring
@@ -149,6 +165,7 @@ def _worker(rank: int, init_file: str, out_dir: str) -> None:
             ids, labels, doc_ids = _model_batch(docs)
             mine = shard.tokens(LENGTH)
             results["model"][(pe, docs, kv)] = _model_grads(model, ids[:, mine], labels[:, mine], doc_ids)
+        results["saved"] = _saved_bytes_one_and_two(shard)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -198,3 +215,11 @@ def test_document_positions_restart_across_the_ring_boundary():
     held = [set(ids[0, ring_tokens(r, 2, LENGTH)].tolist()) for r in range(2)]
     assert held[0] & held[1], "no document spans both ranks"
     assert document_positions(ids)[0, 8] == 3  # token 8 (rank 1) continues the document begun on rank 0
+
+
+def test_a_ring_of_two_saves_about_half_the_bytes_per_rank(two_ranks):
+    """Per rank, what a TAPE training forward of 2048 tokens saves for backward at R = 2 is at most 0.55 of one
+    rank's (the `tiny` model, model.attn_backend=auto: SDPA on CPU alone, the ring's blocks at R = 2)."""
+    for result in two_ranks:
+        alone, ring = result["saved"]
+        assert ring > 0 and ring <= 0.55 * alone, (ring, alone, ring / alone)
