@@ -296,7 +296,7 @@ def summarise(s: SpSettings, raw: dict[str, Any]) -> dict[str, Any]:
                         "first_loss": raw["first_loss"][v["name"]], "step_times_s": steps})  # fmt: skip
     headline = s.pairs >= MIN_HEADLINE_PAIRS and not s.allow_few_pairs
     return {
-        **report_header(s.mode, raw["device"]),
+        **_header(s, raw["device"]),
         "preset": s.preset,
         "n_layers": raw["n_layers"],
         "params": raw["params"],
@@ -324,6 +324,14 @@ def summarise(s: SpSettings, raw: dict[str, Any]) -> dict[str, Any]:
         "results": results,
         "pairs_by_pe": [_pair_summary(pe, results, headline) for pe in s.pe_list],
     }
+
+
+def _header(s: SpSettings, device: str) -> dict[str, Any]:
+    if s.ring:
+        from tapetrain.bench.cp import header
+
+        return header(device)
+    return report_header("sp", device)
 
 
 def _pair_summary(pe: str, results: list[dict], headline: bool) -> dict[str, Any]:
