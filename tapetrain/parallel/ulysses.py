@@ -138,8 +138,11 @@ def init_sequence_parallel(layout: ParallelLayout, env: DistEnv) -> SequencePara
         mpu.initialize_sequence_parallel(n)
         existing = n
     if existing != n:
+        setting = (f"parallel.sequence_parallel={n}" if layout.context_parallel == 1 else
+                   f"parallel.context_parallel={layout.context_parallel} × parallel.sequence_parallel="
+                   f"{layout.sequence_parallel}")
         raise RunError(f"this process already has sequence-parallel groups of {existing} ranks; start a new "
-                       f"process for parallel.sequence_parallel={n}")
+                       f"process for {setting}")
     if layout.context_parallel > 1:
         from tapetrain.parallel.context import init_ring_shard
 
