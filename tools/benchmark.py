@@ -9,6 +9,7 @@
   python tools/benchmark.py docmask --preset tiny --seq-len 1024 --docs 8 [--pairs 20] [--pe tape] --out R.json
   python tools/benchmark.py bakeoff [--head-dims 64,128] [--seq-lens 2048,8192] [--budget-s 180] --out R.json
   python tools/benchmark.py sp --ranks 2 --preset tiny --seq-len 1024 [--pairs 10] [--pe-list tape,rope] --out R.json
+  python tools/benchmark.py cp --ranks 2 --preset tiny --seq-len 2048 [--pairs 10] [--pe-list tape,rope] --out R.json
 
 Every mode prints a table; with --out it writes JSON (atomically) and a PNG next to it (--plot P.png to move it,
 --no-plot to skip). Defaults depend on the device: small sizes and fp32 on CPU, realistic sizes and bf16 on CUDA.
@@ -87,6 +88,7 @@ def _sp(args: argparse.Namespace) -> int:
         threads=args.threads or 1,
         allow_few_pairs=args.allow_few_pairs,
         seed=args.seed,
+        ring=args.mode == "cp",
     )
     return _checked_run(args, settings, bench.check_sp_settings, bench.run_sp_benchmark, bench.sp_report,
                         bench.plot_sp)
@@ -166,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {bench.write_json_atomic(args.out, result)}")
         return 0
 
-    if args.mode == "sp":
+    if args.mode in ("sp", "cp"):
         return _sp(args)
     if args.mode == "docmask":
         return _docmask(args)

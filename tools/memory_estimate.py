@@ -18,6 +18,13 @@ multiple of 1024) whose estimate fits 90% of --gpu-gb, for the 8K TAPE recipe's 
 without and with the tiled MLP:
 
     python tools/memory_estimate.py --longest-context --gpu-gb 80 --world-size 8 --out docs/benchmarks/x.json
+
+--ring-table prints, for 128K, 512K and 1M tokens on 8, 32 and 64 GPUs, which context parallelism R (ring) ×
+sequence parallelism U (Ulysses, at most 8: one node), ZeRO stage and activation checkpointing fit 90% of --gpu-gb
+(full training, micro batch 1, tiled MLP auto): the fitting setting with the fewest ranks per sequence (the most data
+parallelism), else the smallest estimate:
+
+    python tools/memory_estimate.py --ring-table --preset llama2-7b --pe tape --gpu-gb 80
 """
 
 from __future__ import annotations
@@ -53,6 +60,8 @@ def main() -> int:
     parser.add_argument("--sequence-parallel", type=int, default=1, help="SP degree N (seq-len / N tokens per GPU)")
     parser.add_argument("--tiled-mlp", default="0", help="model.tiled_mlp: chunks (0 = off) or auto")
     parser.add_argument("--longest-context", action="store_true", help="longest fitting context per SP degree")
+    parser.add_argument("--ring-table", action="store_true",
+                        help="which context parallel R x sequence parallel U fits 128K-1M tokens on 8-64 GPUs")
     parser.add_argument("--attention", choices=("auto", "sdpa", "triton", "flash"), default="auto",
                         help="model.attn_backend on the GPU: the saved tensors depend on the kernel")
     parser.add_argument("--overlap-comm", action="store_true", default=None,
@@ -65,6 +74,8 @@ def main() -> int:
         return measure(args)
     if args.longest_context:
         return longest_context(args)
+    if args.ring_table:
+        return ring_table(args)
 
     cfg = preset_config(args.preset, pe=args.pe, max_seq_len=args.seq_len)
     modes = ["all"] + (["tape+embed+norm"] if args.pe == "tape" else [])
@@ -161,6 +172,52 @@ def longest_context(args) -> int:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=2)
             f.write("\n")
+    return 0
+
+
+def ring_settings(world: int, n_heads: int):
+    """(R, U) with U ≤ 8 dividing the heads and R × U dividing the world, fewest ranks per sequence first."""
+    found = [(r, u) for u in (1, 2, 4, 8) for r in range(1, world + 1)
+             if n_heads % u == 0 and world % (r * u) == 0]
+    return sorted(found, key=lambda ru: (ru[0] * ru[1], ru[0]))
+
+
+def ring_table(args) -> int:
+    cfg = preset_config(args.preset, pe=args.pe)
+    counts = parameter_counts(cfg, "all")
+    rows = []
+    for seq_len in (131072, 524288, 1048576):
+        for world in (8, 32, 64):
+            best = None
+            for (r, u) in ring_settings(world, cfg.n_heads):
+                if seq_len % (2 * r * u):
+                    continue
+                for stage, ckpt in ((2, True), (3, True), (3, False)):
+                    est = estimate_memory(
+                        cfg, seq_len=seq_len, micro_batch=1, world_size=world, zero_stage=stage,
+                        trainable_params=counts.trainable, total_params=counts.total, activation_checkpointing=ckpt,
+                        lm_head_trainable=counts.head_trainable, sequence_parallel=u, context_parallel=r,
+                        tiled_mlp="auto", buffers=RECIPE_BUFFERS, largest_trainable=counts.largest_trainable,
+                        attention=args.attention,
+                    )
+                    row = {"seq_len": seq_len, "gpus": world, "context_parallel": r, "sequence_parallel": u,
+                           "zero_stage": stage, "activation_checkpointing": ckpt,
+                           "gib_per_gpu": round(est.total_gpu_gb, 1), "activations_gib": round(est.activations_gb, 1),
+                           "fits": est.total_gpu_gb <= args.gpu_gb * 0.9}
+                    if best is None or (row["fits"] and not best["fits"]) or (
+                            not best["fits"] and row["gib_per_gpu"] < best["gib_per_gpu"]):
+                        best = row
+                if best is not None and best["fits"]:
+                    break
+            rows.append(best)
+    print(f"{args.preset} pe={args.pe}, full training, micro batch 1, tiled MLP auto, attention {args.attention}, "
+          f"GPUs of {args.gpu_gb:.0f} GB (fits: estimate <= 90%)")
+    print("| tokens | GPUs | R (ring) | U (Ulysses) | ZeRO | checkpointing | GiB per GPU | activations GiB | fits |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['seq_len'] // 1024}K | {r['gpus']} | {r['context_parallel']} | {r['sequence_parallel']} | "
+              f"{r['zero_stage']} | {'on' if r['activation_checkpointing'] else 'off'} | {r['gib_per_gpu']} | "
+              f"{r['activations_gib']} | {'yes' if r['fits'] else 'no'} |")
     return 0
 
 

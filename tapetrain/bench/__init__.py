@@ -11,8 +11,9 @@
              step in one process: step-time spread per variant and per-pair ratio (module docstring).
   sp         sequence parallelism (DeepSpeed-Ulysses) on N CPU ranks it launches (gloo): SP 1 vs SP N alternated
              step by step, tokens/s and activation bytes saved for backward per rank (module docstring).
+  cp         context parallelism (ring attention): the sp measurement with the N ranks as one ring.
 
-One module per mode (attention, train, engine, layer, data, sp, docmask), each with its options (`cli` builds the
+One module per mode (attention, train, engine, layer, data, sp, cp, docmask), each with its options (`cli` builds the
 parser from them); `header` holds the header every mode's JSON starts with (mode, date, device, machine, versions),
 `arguments` the option blocks the modes share, `common` device, dtype, timing and memory helpers, `report` tables,
 JSON and figures, `steps` the models, optimizer and timed steps that train, engine and layer share. The names below

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from tapetrain.bench import attention, bakeoff, data, docmask, engine, layer, sp, train
+from tapetrain.bench import attention, bakeoff, cp, data, docmask, engine, layer, sp, train
 
 # In the order `--help` lists them; each module has HELP and add_arguments (built from tapetrain.bench.arguments).
 MODES: dict[str, ModuleType] = {"attention": attention, "train": train, "engine": engine, "layer": layer, "sp": sp,
-                                "docmask": docmask, "data": data, "bakeoff": bakeoff}  # fmt: skip
+                                "cp": cp, "docmask": docmask, "data": data, "bakeoff": bakeoff}  # fmt: skip
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:

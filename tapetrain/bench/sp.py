@@ -1,5 +1,6 @@
 """`sp` mode: sequence parallelism (DeepSpeed-Ulysses) on CPU ranks over gloo: tokens/s and activation memory per
-rank at SP 1 and SP N, N = the number of ranks launched.
+rank at SP 1 and SP N, N = the number of ranks launched. The `cp` mode (tapetrain.bench.cp) is the same measurement
+with the N ranks as a ring (context parallelism, tapetrain.parallel.ring) instead of a Ulysses group.
 
 The mode launches its own N ranks (torch.multiprocessing, gloo on 127.0.0.1). Each rank builds every model twice
 with identical weights: one sharded with the real UlyssesShard over the N-rank group (SP N: each rank holds T/N
@@ -79,6 +80,11 @@ class SpSettings:
     threads: int = 1  # torch intra-op threads per rank
     allow_few_pairs: bool = False  # tests: fewer pairs than MIN_HEADLINE_PAIRS, the JSON is then no headline
     seed: int = 0
+    ring: bool = False  # the `cp` mode: the N ranks form a ring (context parallelism) instead of a Ulysses group
+
+    @property
+    def mode(self) -> str:
+        return "cp" if self.ring else "sp"
 
 
 def check_settings(s: SpSettings) -> None:
@@ -95,6 +101,9 @@ def check_settings(s: SpSettings) -> None:
         )
     if s.seq_len % s.ranks:
         raise ValueError(f"--seq-len {s.seq_len} is not a multiple of --ranks {s.ranks}")
+    if s.ring and s.seq_len % (2 * s.ranks):
+        raise ValueError(f"--seq-len {s.seq_len} is not a multiple of 2 × --ranks = {2 * s.ranks} (a ring of N ranks "
+                         "splits each sequence into 2N chunks)")
 
 
 # ---- the launch ----------------------------------------------------------------------------------------------
@@ -132,9 +141,8 @@ def _rank_main(rank: int, s: SpSettings, port: int, raw_path: str, progress: boo
     torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                          world_size=s.ranks)  # fmt: skip
     try:
-        sp = init_sequence_parallel(
-            ParallelLayout(s.ranks, s.ranks), DistEnv(rank=rank, local_rank=rank, world_size=s.ranks)
-        )
+        layout = ParallelLayout(s.ranks, 1, s.ranks) if s.ring else ParallelLayout(s.ranks, s.ranks)
+        sp = init_sequence_parallel(layout, DistEnv(rank=rank, local_rank=rank, world_size=s.ranks))
         assert sp is not None
         record = measure(s, sp.shard, progress and rank == 0)
         if rank == 0:
@@ -287,7 +295,7 @@ def summarise(s: SpSettings, raw: dict[str, Any]) -> dict[str, Any]:
                         "first_loss": raw["first_loss"][v["name"]], "step_times_s": steps})  # fmt: skip
     headline = s.pairs >= MIN_HEADLINE_PAIRS and not s.allow_few_pairs
     return {
-        **report_header("sp", raw["device"]),
+        **_header(s, raw["device"]),
         "preset": s.preset,
         "n_layers": raw["n_layers"],
         "params": raw["params"],
@@ -317,6 +325,14 @@ def summarise(s: SpSettings, raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _header(s: SpSettings, device: str) -> dict[str, Any]:
+    if s.ring:
+        from tapetrain.bench.cp import header
+
+        return header(device)
+    return report_header("sp", device)
+
+
 def _pair_summary(pe: str, results: list[dict], headline: bool) -> dict[str, Any]:
     one, many = (r for r in results if r["pe"] == pe)
     ratios = [b / a for a, b in zip(one["step_times_s"], many["step_times_s"], strict=True)]
@@ -339,7 +355,7 @@ def sp_report(result: dict) -> str:
              r["tokens_per_s_per_group"], r["tokens_per_s_machine"], r["saved_mib_per_rank"]]
             for r in result["results"]]  # fmt: skip
     lines = [
-        f"sp: {result['preset']} ({result['n_layers']} layers, {result['params'] / 1e6:.1f}M params), "
+        f"{result['mode']}: {result['preset']} ({result['n_layers']} layers, {result['params'] / 1e6:.1f}M params), "
         f"{result['batch']} × {result['seq_len']} tokens, {result['dtype']}, {result['ranks']} ranks × "
         f"{result['threads_per_rank']} thread(s), gloo, attention {'/'.join(result['attention_backends_ran'])}, "
         f"{result['pairs']} pairs after {result['warmup_rounds']} warm-up rounds, {result['device']}",
@@ -347,7 +363,8 @@ def sp_report(result: dict) -> str:
     ]
     for p in result["pairs_by_pe"]:
         ratio = p["step_time_ratio"]
-        lines.append(f"{p['pe']}: step time SP {p['sp']} / SP 1 median {ratio['median']:.3f} (IQR {ratio['q1']:.3f}–"
+        lines.append(f"{p['pe']}: step time {result['mode'].upper()} {p['sp']} / 1 median {ratio['median']:.3f} "
+                     f"(IQR {ratio['q1']:.3f}–"
                      f"{ratio['q3']:.3f}, min–max {ratio['min']:.3f}–{ratio['max']:.3f}, {p['pairs']} pairs); "
                      f"saved bytes per rank ×{p['saved_bytes_ratio']:.3f}")  # fmt: skip
     load = result["load_average_1_5_15_min"]

@@ -343,6 +343,7 @@ def sequence_parallel_heads_problem(n_heads: int, sequence_parallel: int) -> tup
 def _check_parallel(cfg: RunConfig, c: _Checker) -> None:
     n = cfg.parallel.sequence_parallel
     c.positive("parallel.sequence_parallel", n, "set 1 (off) or the ranks that share each sequence, e.g. 8")
+    _check_context_parallel(cfg, c)
     if n == 1:
         return
     heads = sequence_parallel_heads_problem(cfg.model.n_heads, n)
@@ -367,6 +368,26 @@ def _check_parallel(cfg: RunConfig, c: _Checker) -> None:
                "parallel.sequence_parallel=1")
 
 
+def _check_context_parallel(cfg: RunConfig, c: _Checker) -> None:
+    r, u = cfg.parallel.context_parallel, cfg.parallel.sequence_parallel
+    c.positive("parallel.context_parallel", r, "set 1 (off) or the ranks of the ring, e.g. 4")
+    if not isinstance(r, int) or r <= 1 or not isinstance(u, int) or u < 1:
+        return
+    seq_len = cfg.data.seq_len or 0
+    if seq_len % (2 * r * u):
+        options = nearest_multiples(seq_len, 2 * r * u)
+        c.fail("data.seq_len", f"{seq_len} is not a multiple of 2 × parallel.context_parallel × "
+               f"parallel.sequence_parallel = {2 * r * u} (each of the ring's {2 * r} chunks is split over "
+               f"{u} rank(s))", f"use data.seq_len={options[0]}" + (f" (or {options[1]})" if len(options) > 1 else ""))
+    if cfg.model.s2_attn:
+        c.fail("model.s2_attn", f"shifted sparse attention is not supported with parallel.context_parallel={r} "
+               "(its token groups span the ring's chunks)", "set model.s2_attn=false or parallel.context_parallel=1")
+    if cfg.model.compile:
+        c.fail("model.compile", f"torch.compile of the layers is not supported with parallel.context_parallel={r}: "
+               "the ring's transfers run inside an autograd function", "set model.compile=false or "
+               "parallel.context_parallel=1")
+
+
 def _check_logging(cfg: RunConfig, c: _Checker) -> None:
     c.positive("logging.console_interval", cfg.logging.console_interval, "set a step interval or null")
     c.positive("logging.peak_tflops", cfg.logging.peak_tflops, "set the device's peak TFLOP/s or null")
@@ -374,7 +395,13 @@ def _check_logging(cfg: RunConfig, c: _Checker) -> None:
 
 def check_for_world(cfg: RunConfig, world_size: int, device_type: str | None) -> int:
     """Checks that need the world size / device type; returns the gradient accumulation steps."""
-    n = cfg.parallel.sequence_parallel
+    n = cfg.parallel.ranks_per_sequence
+    if cfg.parallel.context_parallel > 1 and isinstance(world_size, int) and world_size >= 1 and world_size % n:
+        raise ConfigError(
+            f"parallel.context_parallel={cfg.parallel.context_parallel} × parallel.sequence_parallel="
+            f"{cfg.parallel.sequence_parallel} = {n} ranks share each sequence, which does not divide the "
+            f"{world_size} rank(s) of this launch; launch a multiple of {n} ranks or lower parallel.context_parallel"
+        )
     if isinstance(world_size, int) and world_size >= 1 and world_size % n:
         fits = [d for d in range(1, world_size + 1) if world_size % d == 0 and cfg.model.n_heads % d == 0
                 and (cfg.data.seq_len or 0) % d == 0]

@@ -53,7 +53,7 @@ def build_deepspeed_config(cfg: RunConfig, world_size: int) -> dict[str, Any]:
     Raises ConfigError (naming train.global_batch_size / train.micro_batch_size and a valid global batch) when
     the global batch is not a multiple of micro_batch_size × data-parallel ranks.
     """
-    n = cfg.parallel.sequence_parallel
+    n = cfg.parallel.ranks_per_sequence  # DeepSpeed's "sequence parallel": every rank that shares a sequence
     accum = grad_accum_steps(cfg.train, world_size, n)
     micro = cfg.train.micro_batch_size
     d = cfg.deepspeed

@@ -102,12 +102,12 @@ class RunConfig:
         return replace(self, train=replace(self.train, global_batch_size=global_batch))
 
     def data_parallel(self, world_size: int) -> int:
-        """Ranks that read different samples: world size / parallel.sequence_parallel."""
-        return world_size // self.parallel.sequence_parallel
+        """Ranks that read different samples: world size / (parallel.sequence_parallel × context_parallel)."""
+        return world_size // self.parallel.ranks_per_sequence
 
     def grad_accum_steps(self, world_size: int) -> int:
         """Micro steps per optimizer step on each rank."""
-        return grad_accum_steps(self.train, world_size, self.parallel.sequence_parallel)
+        return grad_accum_steps(self.train, world_size, self.parallel.ranks_per_sequence)
 
     def global_batch_size(self, world_size: int) -> int:
         """Sequences per optimizer step over all ranks (each counted once: a sequence-parallel group shares one)."""

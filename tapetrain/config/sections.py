@@ -343,6 +343,20 @@ class ParallelSection:
         "world size / N; global batch = micro_batch_size × (world size / N) × accumulation. N must divide "
         "model.n_heads, data.seq_len and the world size, and should fit in one node. 1 = off.",
     )
+    context_parallel: int = option(
+        1,
+        "Context parallelism (ring attention): every sequence is also split over a ring of R groups, each rank of the "
+        "ring holding two opposite chunks (2R chunks of data.seq_len / 2R tokens, for the causal balance); keys and "
+        "values pass around the ring, so R is not bounded by the heads and the ring may span nodes. Composes with "
+        "parallel.sequence_parallel (Ulysses inside each group of U ranks, the ring across them): each sequence is "
+        "shared by R × U consecutive ranks, data parallel = world size / (R × U). data.seq_len must be a multiple "
+        "of 2 × R × U. 1 = off.",
+    )
+
+    @property
+    def ranks_per_sequence(self) -> int:
+        """The consecutive ranks that share each sequence: context_parallel × sequence_parallel."""
+        return self.sequence_parallel * self.context_parallel
 
 
 @dataclass

@@ -19,7 +19,13 @@ from tapetrain.model.documents import DocumentMask, document_positions
 from tapetrain.model.fire import FireBias
 from tapetrain.model.randpe import draw_document_positions, draw_positions, randpe_limit
 from tapetrain.model.rope_scaling import frequencies_for
-from tapetrain.model.sequence_shard import WHOLE_SEQUENCE, SequenceShard, local_heads, local_tokens
+from tapetrain.model.sequence_shard import (
+    WHOLE_SEQUENCE,
+    SequenceShard,
+    local_heads,
+    local_queries,
+    local_tokens,
+)
 from tapetrain.model.xpos import XposDecay, xpos_zeta
 
 
@@ -55,8 +61,11 @@ class PositionContext:
 
     @property
     def query_positions(self) -> torch.Tensor:
-        """Positions of the queries attention computes: the new tokens, or with N > 1 the whole sequence."""
-        return self.key_positions if self.shard.size > 1 else self.positions
+        """Positions of the queries attention computes: the new tokens, or with N > 1 the whole sequence (a ring:
+        its ring rank's tokens, `local_queries`)."""
+        if self.shard.size == 1:
+            return self.positions
+        return self.key_positions[:, local_queries(self.shard, self.key_positions.shape[1])]
 
     def own_heads(self, per_head: torch.Tensor) -> torch.Tensor:
         """(B, H, ...) -> the heads this rank attends with (all for N = 1)."""
@@ -169,7 +178,8 @@ class PositionalEncoding(nn.Module):
             if docs is not None:  # stream positions: the same differences inside a document, no restarts (xpos.py)
                 decay_k = torch.arange(key_positions.shape[1], device=positions.device,
                                        dtype=torch.float64).expand_as(key_positions)
-                decay_q = decay_k[:, -queries.shape[1]:]
+                decay_q = decay_k[:, -queries.shape[1]:] if shard.size == 1 else decay_k[
+                    :, local_queries(shard, decay_k.shape[1])]
             ctx.xpos = XposDecay(zeta, cfg.xpos_scale_base, decay_q, decay_k)
         if self.kind == "alibi":
             dist = queries[:, :, None] - key_positions[:, None, :]  # (B, T, S)

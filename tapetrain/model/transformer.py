@@ -36,7 +36,10 @@ from tapetrain.model.loss import LMHead, cross_entropy
 from tapetrain.model.positions import PositionalEncoding, PositionContext
 from tapetrain.model.sequence_shard import (
     WHOLE_SEQUENCE,
+    AttentionInputs,
+    LocalAttention,
     SequenceShard,
+    head_split,
     kept_tokens,
     local_tokens,
     whole_sequence_mean,
@@ -157,9 +160,10 @@ class Attention(nn.Module):
         """
         shard, dv = ctx.shard, self.head_dim
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # token-major (B, T/N, ·, D) views
-        if k.shape[2] % shard.size:
+        split = head_split(shard)  # the ranks the heads are split over (a ring's are not)
+        if k.shape[2] % split:
             k = k.repeat_interleave(self.n_heads // k.shape[2], dim=2)
-        if e_values is not None or v.shape[2] % shard.size:
+        if e_values is not None or v.shape[2] % split:
             v = v.repeat_interleave(self.n_heads // v.shape[2], dim=2)
         values = v if e_values is None else torch.cat([v, e_values], dim=-1)  # (B, T/N, Hv, D [+ D])
 
@@ -175,7 +179,8 @@ class Attention(nn.Module):
             out = out.transpose(1, 2)
             return out if out_e is None else torch.cat([out, out_e.transpose(1, 2)], dim=-1)
 
-        out = shard.attend(local_attention, q, k, values)  # (B, T/N, H, D [+ D]): this rank's tokens, all heads
+        inputs = AttentionInputs(self.cfg.causal, self.scale, ctx.bias, ctx.xpos, ctx.docs)  # for a ring's blocks
+        out = shard.attend(LocalAttention(local_attention, inputs), q, k, values)  # (B, T/N, H, D [+ D]): all heads
         if e_values is None:
             return out.transpose(1, 2), None
         return out[..., :dv].transpose(1, 2), out[..., dv:].transpose(1, 2)

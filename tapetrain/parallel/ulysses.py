@@ -89,18 +89,19 @@ class SequenceParallel:
     layout: ParallelLayout
     rank: int
     mpu: EngineMpu  # deepspeed.runtime.sequence_parallel.parallel_state_sp for deepspeed.initialize
-    shard: UlyssesShard
+    shard: Any  # UlyssesShard, or with parallel.context_parallel > 1 tapetrain.parallel.context.RingShard
 
     @property
     def size(self) -> int:
-        return self.layout.sequence_parallel
+        return self.layout.sequence_ranks
 
     @property
     def data_parallel_rank(self) -> int:
         return self.layout.data_parallel_rank(self.rank)
 
     def local(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """(B, T, ...) -> this rank's contiguous slice (B, T/N, ...) of each; labels must be shifted before."""
+        """(B, T, ...) -> this rank's tokens (B, T/N, ...) of each (a contiguous slice; with a ring, its part of two
+        opposite chunks); labels must be shifted before."""
         return tuple(x[:, local_tokens(self.shard, x.shape[1])].contiguous() for x in tensors)
 
 
@@ -117,7 +118,7 @@ def init_sequence_parallel(layout: ParallelLayout, env: DistEnv) -> SequencePara
     process group (training's init_distributed, or the eval tools' init_eval_ranks).
 
     DeepSpeed keeps the groups in module state, so a second start in the same process reuses them (same N)."""
-    n = layout.sequence_parallel
+    n = layout.sequence_ranks  # DeepSpeed's groups: every rank that shares a sequence (ring × Ulysses)
     if n == 1:
         return None
     import deepspeed.comm
@@ -128,7 +129,7 @@ def init_sequence_parallel(layout: ParallelLayout, env: DistEnv) -> SequencePara
             skip_cpu_shm_op_build()
         deepspeed.comm.init_distributed(dist_backend=torch.distributed.get_backend(), auto_mpi_discovery=False)
 
-    warning = local_ranks_warning(n, ranks_per_node())
+    warning = local_ranks_warning(layout.sequence_parallel, ranks_per_node())
     if warning and env.is_main:
         log.warning("%s", warning)
     try:
@@ -137,9 +138,17 @@ def init_sequence_parallel(layout: ParallelLayout, env: DistEnv) -> SequencePara
         mpu.initialize_sequence_parallel(n)
         existing = n
     if existing != n:
+        setting = (f"parallel.sequence_parallel={n}" if layout.context_parallel == 1 else
+                   f"parallel.context_parallel={layout.context_parallel} × parallel.sequence_parallel="
+                   f"{layout.sequence_parallel}")
         raise RunError(f"this process already has sequence-parallel groups of {existing} ranks; start a new "
-                       f"process for parallel.sequence_parallel={n}")
-    shard = UlyssesShard(mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), n)
+                       f"process for {setting}")
+    if layout.context_parallel > 1:
+        from tapetrain.parallel.context import init_ring_shard
+
+        shard = init_ring_shard(layout, env.rank, mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank())
+    else:
+        shard = UlyssesShard(mpu.get_sequence_parallel_group(), mpu.get_sequence_parallel_rank(), n)
     if shard.rank != layout.sequence_rank(env.rank):  # DeepSpeed's groups must be the layout we describe
         raise RunError(f"rank {env.rank} is rank {shard.rank} of its sequence-parallel group, expected "
                        f"{layout.sequence_rank(env.rank)} (groups of {n} consecutive ranks)")

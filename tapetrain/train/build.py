@@ -240,7 +240,7 @@ def build_components(cfg: RunConfig, env: DistEnv, clock: StartupClock | None = 
     ds_config = build_deepspeed_config(cfg, env.world_size)
 
     # sequence parallelism: DeepSpeed's groups (collective), the model's shard, which samples this rank reads
-    layout = ParallelLayout(env.world_size, cfg.parallel.sequence_parallel)
+    layout = ParallelLayout(env.world_size, cfg.parallel.sequence_parallel, cfg.parallel.context_parallel)
     sp = _sequence_parallel(layout, env, cfg.data.seq_len)
 
     # checks before anything is written: the checkpoint to resume from, data, tokenizer

@@ -288,6 +288,10 @@ class CheckpointManager:
         if saved_sp != cfg.parallel.sequence_parallel:
             log.info("resuming with parallel.sequence_parallel=%d (saved with %d): how each sequence is split over "
                      "ranks changes, the model, data order and step do not", cfg.parallel.sequence_parallel, saved_sp)
+        saved_cp = int(point.state.get("context_parallel", 1))
+        if saved_cp != cfg.parallel.context_parallel:
+            log.info("resuming with parallel.context_parallel=%d (saved with %d): how each sequence is split over "
+                     "ranks changes, the model, data order and step do not", cfg.parallel.context_parallel, saved_cp)
         batch_change = resume_checks.batch_size_change(point.state, cfg.train.global_batch_size)
         if batch_change:
             log.warning("%s", batch_change)
@@ -355,6 +359,7 @@ class CheckpointManager:
             "data": batches.state_dict(),
             "world_size": env.world_size,
             "sequence_parallel": cfg.parallel.sequence_parallel,  # execution only: any other value may resume
+            "context_parallel": cfg.parallel.context_parallel,  # the same
             "zero_stage": cfg.deepspeed.zero_stage,
             "seed": cfg.run.seed,
             "skipped_steps": progress.skipped_steps,

@@ -234,6 +234,30 @@ def exchanged_widths(cfg: ModelConfig, n: int, updates_state: bool = True) -> tu
     return h * d, k, v
 
 
+def ring_block_bytes(cfg: ModelConfig, batch: int, seq: int, context_parallel: int, sequence_parallel: int = 1,
+                     bytes_per_value: int = 2) -> int:
+    """Ring attention's transient bytes per rank in one layer at a time (tapetrain.parallel.ring), 0 for R = 1.
+
+    Per layer the ring rank's T/R tokens of H/U heads attend: one K/V block in flight (a send and a receive buffer
+    of k and the values, (B, T/R, ·) each), in backward with its fp32 gradients travelling beside it; one query
+    tile's scores (at most TILE_SCORES elements), of which the recompute under autograd keeps about five fp32
+    copies (scores, masked, weights, their gradients). Besides the saved tensors the layer terms already count,
+    the ring keeps its merged output in fp32 rather than the model's dtype: (4 − p) more bytes per value of it."""
+    if context_parallel <= 1:
+        return 0
+    from tapetrain.parallel.ring import tile_rows
+
+    _, k, v = exchanged_widths(cfg, sequence_parallel)  # per token, all heads: this rank's H/U heads of T/R tokens
+    tokens = batch * (seq // context_parallel) // sequence_parallel
+    block = (k + v) * tokens  # values per rank of one K/V block
+    heads = cfg.n_heads // sequence_parallel
+    queries = seq // context_parallel
+    scores = batch * heads * tile_rows(batch, heads, queries, queries) * queries
+    in_flight = max(2 * block * bytes_per_value, 2 * block * (bytes_per_value + 4))  # forward; backward with grads
+    output = cfg.n_layers * batch * (seq // (context_parallel * sequence_parallel)) * v * (4 - bytes_per_value)
+    return in_flight + 5 * 4 * scores + max(0, output)
+
+
 def exchange_bytes(cfg: ModelConfig, batch: int, seq: int, n: int, bytes_per_value: int = 2) -> int:
     """The all-to-all's transient buffers in one layer at a time: a send and a receive buffer for each of q, k
     and the values, per rank (B, T/N, ·) each; 0 without sequence parallelism."""
@@ -319,6 +343,7 @@ def estimate_memory(
     context_gib: float = CUDA_CONTEXT_GIB,
     attention: str = "sdpa",
     fused_updates: bool | None = None,
+    context_parallel: int = 1,
 ) -> MemoryEstimate:
     """Per-GPU bytes. ZeRO partitions over all `world_size` ranks (sequence parallel ones too); each rank holds
     seq_len / sequence_parallel tokens of every sequence, so activations and the loss scale with T/N. `attention`:
@@ -349,9 +374,12 @@ def estimate_memory(
     # (ZeRO-1 without overlap_comm reduces only after backward, from whole gradients: nothing extra)
     overlap = buffers.overlap_comm if buffers.overlap_comm is not None else zero_stage == 3
     late_gradient = largest_trainable * p if zero_stage >= 2 or zero_stage == 1 and overlap else 0
-    activations = activation_bytes(cfg, micro_batch, seq_len, activation_checkpointing, sequence_parallel, tiled_mlp,
+    # context parallelism R: each rank holds T/(R·U) tokens; the ring adds its block in flight (ring_block_bytes)
+    ranks = sequence_parallel * context_parallel
+    activations = activation_bytes(cfg, micro_batch, seq_len, activation_checkpointing, ranks, tiled_mlp,
                                    bytes_per_value=p, attention=attention, fused_updates=fused_updates)
-    local = seq_len // sequence_parallel
+    activations += ring_block_bytes(cfg, micro_batch, seq_len, context_parallel, sequence_parallel, p)
+    local = seq_len // ranks
     logits = loss_bytes(cfg, micro_batch, local, p, fused=fused_loss, head_trainable=lm_head_trainable)
     context = context_gib * GiB
     # backward frees activations as it produces gradients: at its start all activations and no gradient, at its end
@@ -417,6 +445,7 @@ def estimate_run_memory(run_cfg, model_cfg: ModelConfig, world_size: int, *, con
                             stage3_prefetch_bucket_size=d.stage3_prefetch_bucket_size,
                             stage3_max_live_parameters=d.stage3_max_live_parameters),
         context_gib=context_gib, attention=attention, fused_updates=fused,
+        context_parallel=run_cfg.parallel.context_parallel,
     )  # fmt: skip
     return est, counts
 

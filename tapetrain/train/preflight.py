@@ -75,7 +75,7 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
     total, trainable = _parameter_counts(cfg, model_config)
     plan, refusal = run_plan_or_refusal(cfg, model_config)
     accum = cfg.grad_accum_steps(world)
-    layout = ParallelLayout(world, cfg.parallel.sequence_parallel)
+    layout = ParallelLayout(world, cfg.parallel.sequence_parallel, cfg.parallel.context_parallel)
     print(dump_run_config(cfg), end="")
     print(f"\n# DeepSpeed JSON ({world} rank(s))")
     print(json.dumps(build_deepspeed_config(cfg, world), indent=2))
@@ -84,7 +84,7 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
     ranks = f"{world} rank(s)" if dp == world else f"{dp} data-parallel rank(s)"
     lines = [
         f"ranks: {world}",
-        *(layout.describe(cfg.data.seq_len) if layout.sequence_parallel > 1 else []),
+        *(layout.describe(cfg.data.seq_len) if layout.sequence_ranks > 1 else []),
         f"gradient accumulation: {accum} (global batch {cfg.train.global_batch_size} = micro batch "
         f"{cfg.train.micro_batch_size} x {ranks} x {accum})",
         f"tokens per step: {cfg.tokens_per_step(world):,} ({cfg.train.global_batch_size} x {cfg.data.seq_len})",

@@ -152,9 +152,10 @@ def _train(config_path: str, overrides: list[str], *, dry_run: bool = False) -> 
 
 def _config_summary(config_path: str, cfg: RunConfig, world_size: int) -> str:
     accum = cfg.grad_accum_steps(world_size)
-    n = cfg.parallel.sequence_parallel
-    ranks = f"{world_size} rank(s)" if n == 1 else (
-        f"{cfg.data_parallel(world_size)} data-parallel rank(s) (sequence parallel {n} on {world_size} ranks)")
+    n, r = cfg.parallel.sequence_parallel, cfg.parallel.context_parallel
+    split = f"sequence parallel {n}" if r == 1 else f"context parallel {r} x sequence parallel {n}"
+    ranks = f"{world_size} rank(s)" if n * r == 1 else (
+        f"{cfg.data_parallel(world_size)} data-parallel rank(s) ({split} on {world_size} ranks)")
     return (f"{config_path}: {world_size} rank(s), global batch {cfg.train.global_batch_size} = micro batch "
             f"{cfg.train.micro_batch_size} x {ranks} x {accum} accumulation, "
             f"{cfg.tokens_per_step(world_size):,} tokens per step")

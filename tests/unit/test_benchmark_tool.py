@@ -232,7 +232,7 @@ def test_every_mode_has_the_shared_report_options() -> None:
     from tapetrain.bench.arguments import REPORT_GROUP
 
     modes = _modes()
-    assert set(modes) == {"attention", "train", "engine", "layer", "sp", "docmask", "data", "bakeoff"}
+    assert set(modes) == {"attention", "train", "engine", "layer", "sp", "cp", "docmask", "data", "bakeoff"}
     for mode, parser in modes.items():
         groups = {g.title: g for g in parser._action_groups}
         assert REPORT_GROUP in groups, f"{mode} does not use add_report_args"
