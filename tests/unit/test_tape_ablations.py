@@ -14,7 +14,9 @@ from model_helpers import build, randomize_tape
 
 from tapetrain.checkpoint.hf_export import export_model
 from tapetrain.errors import ConfigError
+from tapetrain.model import preset_config
 from tapetrain.model.positions import rotate_pairs
+from tapetrain.model.tape import TapeMlpUpdate
 
 TOKENS = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(3))
 
@@ -92,3 +94,24 @@ def test_ablations_export_with_verified_logits(tmp_path, overrides):
     assert diff <= 1e-4
     cached = theirs.generate(TOKENS[:1, :8], max_new_tokens=8, do_sample=False)
     assert torch.equal(cached, model.generate(TOKENS[:1, :8], 8))
+
+
+def test_the_non_equivariant_ablation_builds_no_fused_update_module(monkeypatch):
+    """tape_equivariant=false has no fused MLP-side kernel: its layers build the non-equivariant module alone. Building
+    the fused module first and replacing it allocated parameters for nothing (partitioned ones under ZeRO-3) and moved
+    the initialisation's random stream."""
+    from tapetrain.model import transformer
+
+    built = []
+
+    class Counted(transformer.TapeMlpUpdateWithKernels):
+        def __new__(cls, *args, **kwargs):
+            built.append(args)
+            return super().__new__(cls)
+
+    monkeypatch.setattr(transformer, "TapeMlpUpdateWithKernels", Counted)
+    model = transformer.Transformer(preset_config("tiny", pe="tape", n_layers=3, tape_equivariant=False))
+    assert built == []
+    assert all(not isinstance(layer.tape_mlp, TapeMlpUpdate) for layer in model.layers)
+    transformer.Transformer(preset_config("tiny", pe="tape", n_layers=3))
+    assert len(built) == 2  # the equivariant model: layers 0 and 1 (the last layer updates no E)
