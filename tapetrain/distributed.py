@@ -237,7 +237,8 @@ class EvalRanks(DistEnv):
     """A DistEnv for the eval tools, which also remembers whether they created the process group."""
 
     owns_group: bool = False  # we created the process group, so we tear it down
-    sequence_parallel: int = 1  # N: groups of N consecutive ranks share each work item (each holds T/N tokens)
+    sequence_parallel: int = 1  # U: Ulysses
+    context_parallel: int = 1  # R: the ring; groups of N = R × U consecutive ranks share each work item (T/N tokens)
 
     # Every eval tool splits its work with `share` and merges results with `gather` (or all_reduce_sum): a layout
     # other than plain data parallelism (sequence-parallel groups that share one work item) changes these only.
@@ -247,7 +248,7 @@ class EvalRanks(DistEnv):
         every (world_size / N)-th one from its data-parallel rank (rank // N), the same for a group's N ranks."""
         from tapetrain.rank_layout import ParallelLayout
 
-        layout = ParallelLayout(self.world_size, self.sequence_parallel)
+        layout = ParallelLayout(self.world_size, self.sequence_parallel, self.context_parallel)
         return list(range(layout.data_parallel_rank(self.rank), count, layout.data_parallel))
 
     def gather(self, local: dict[Any, Any]) -> dict[Any, Any]:

@@ -49,12 +49,13 @@ class EvalModel:
         self.shard = shard
 
     @torch.no_grad()
-    def logits_span(self, ids: torch.Tensor, keep_last: int | None = None) -> tuple[torch.Tensor, int]:
-        """ids (B, L) -> (logits (B, k, V) of positions first .. first + k − 1, first): the last keep_last positions
-        (all without it), or under sequence parallelism this rank's part of them (k = 0 on a rank holding none)."""
+    def logits_span(self, ids: torch.Tensor, keep_last: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids (B, L) -> (logits (B, k, V), their positions (k,) int64 on the model's device): the last keep_last
+        positions (all without it), or under sequence parallelism this rank's part of them (k = 0 on a rank holding
+        none; with a ring, its two chunks' parts)."""
         keep = keep_last or ids.shape[1]
         if self.shard is None:
-            return self.logits(ids, keep), ids.shape[1] - keep
+            return self.logits(ids, keep), torch.arange(ids.shape[1] - keep, ids.shape[1], device=self.device)
         from tapetrain.eval.sequence_parallel import sharded_logits
 
         return sharded_logits(self.module, self.shard, ids.to(self.device), keep)

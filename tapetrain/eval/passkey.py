@@ -17,8 +17,9 @@
              "memorize it". The model greedily decodes as many tokens as the answer has (batched prompts of equal
              length, KV cache); exact match of the decoded text with X counts as correct. Prompt batches are
              split over ranks under torchrun/deepspeed and the records gathered, so every rank count gives the
-             same records. With --sequence-parallel N each group of N ranks decodes the same batches, each rank
-             holding a slice of every prompt, greedily without a KV cache (tapetrain.eval.sequence_parallel).
+             same records. With --sequence-parallel U (and/or --context-parallel R) each group of N = R × U ranks
+             decodes the same batches, each rank holding T/N tokens of every prompt (a slice, or its part of a
+             ring rank's two chunks), greedily without a KV cache (tapetrain.eval.sequence_parallel).
 """
 
 from __future__ import annotations
@@ -384,8 +385,8 @@ def passkey_report(
                  "question": ref.QUESTION, "separator": "\n"}
         report.update(trials=results[0]["trials"], seed=None, reference=settings.script, max_tokens=max_tokens,
                       interval=interval)
-    report.update(world_size=ranks.world_size, sequence_parallel=ranks.sequence_parallel, results=results,
-                  prompt_texts=texts)
+    report.update(world_size=ranks.world_size, sequence_parallel=ranks.sequence_parallel,
+                  context_parallel=ranks.context_parallel, results=results, prompt_texts=texts)
     return report
 
 
@@ -406,6 +407,7 @@ def run_eval_passkey(
     out: str | None = None,
     plot: str | None = None,
     sequence_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> dict:
     """Passkey retrieval across context lengths: a pass key hidden in filler text, then asked for.
 
@@ -438,13 +440,16 @@ def run_eval_passkey(
             prompts one GPU cannot hold; greedy decoding then recomputes the whole prompt per answer token (no KV
             cache); needs a run directory and a launch of a multiple of N ranks (torchrun/deepspeed); the answers
             equal one process's
+        context_parallel: a ring of R groups that share each prompt (ring attention, past one node), each rank
+            holding two opposite chunks of it (split over --sequence-parallel U inside each group: R × U ranks a
+            prompt); decoding as with --sequence-parallel, the prompt right-padded to a multiple of 2·R·U
     """
     resolve_passkey_args(protocol, lengths, seed, max_tokens, interval, depths, batch_size)
-    check_sequence_parallel(sequence_parallel, model_path, step, generation=True)
+    check_sequence_parallel(sequence_parallel, model_path, step, generation=True, context_parallel=context_parallel)
     ranks = init_eval_ranks()
     try:
-        ranks, shard = start_sequence_parallel(ranks, sequence_parallel)
-        # Uncompiled under sequence parallelism: training refuses the all-to-all inside compiled layers too.
+        ranks, shard = start_sequence_parallel(ranks, sequence_parallel, context_parallel)
+        # Uncompiled under sequence parallelism: training refuses the all-to-all (and the ring) in compiled layers.
         model = load_eval_model(model_path, dtype, step, compile=False if shard else None)
         model.shard_sequence(shard)
         seed_eval()

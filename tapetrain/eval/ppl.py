@@ -1,9 +1,10 @@
 """Perplexity across context lengths: token-weighted PPL = exp(total NLL / total scored tokens).
 
 Windows (tapetrain.eval.windows) are split over ranks when launched with torchrun/deepspeed; the NLL sums,
-token and window counts are all-reduced, so every rank reports the same numbers. With --sequence-parallel N the
-windows are split over the W/N groups and each rank of a group scores the predictions of its slice of a window
-(tapetrain.eval.sequence_parallel); the same all-reduce adds the group's partial sums.
+token and window counts are all-reduced, so every rank reports the same numbers. With --sequence-parallel U and/or
+--context-parallel R the windows are split over the W/N groups (N = R × U) and each rank of a group scores the
+predictions of its tokens of a window, a slice or a ring rank's two chunks (tapetrain.eval.sequence_parallel); the
+same all-reduce adds the group's partial sums.
 """
 
 from __future__ import annotations
@@ -31,11 +32,23 @@ log = logging.getLogger("tapetrain.eval")
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 
 
+def position_runs(positions: torch.Tensor) -> list[tuple[int, int, int]]:
+    """positions (k,) ascending within runs -> (column, first position, count) of each run of consecutive positions:
+    one for a contiguous slice, up to two for a ring rank's two chunks (so logits are sliced, never gathered)."""
+    if not positions.numel():
+        return []
+    breaks = (torch.nonzero(positions[1:] != positions[:-1] + 1).flatten() + 1).tolist()
+    bounds = [0, *breaks, positions.numel()]
+    starts = positions[bounds[:-1]].tolist()
+    return [(a, first, b - a) for a, b, first in zip(bounds[:-1], bounds[1:], starts, strict=True)]
+
+
 def score_windows(
     model: EvalModel, tokens: EvalTokens, windows: list[Window], length: int, batch_size: int, show: bool
 ) -> list[float]:
     """NLL sum (nats) of each window's scored predictions, batch_size windows per forward; under sequence
-    parallelism of the predictions this rank holds (the group's sums add up to the window's)."""
+    parallelism of the predictions this rank holds (a ring rank's two chunks; the group's sums add up to the
+    window's)."""
     nll: list[float] = []
     bar = progress_bar(total=sum(w.tokens for w in windows), unit="tok", unit_scale=True, disable=not show,
                        desc=f"ppl@{length}")
@@ -44,16 +57,18 @@ def score_windows(
         chunks = [tokens.read(w.start, w.start + max(length, w.score_to + 1)) for w in batch]
         ids = torch.from_numpy(np.stack([c[:length] for c in chunks]))  # (B, L)
         keep = length - min(w.score_from for w in batch)
-        logits, first = model.logits_span(ids, keep_last=keep)  # (B, k, V): position j at j - first
-        stop = first + logits.shape[1]
+        logits, held = model.logits_span(ids, keep_last=keep)  # (B, k, V) at positions held (k,)
+        runs = position_runs(held)
         for row, (w, chunk) in enumerate(zip(batch, chunks, strict=True)):
-            lo, hi = max(w.score_from, first), min(w.score_to, stop)  # the scored positions held here
-            if lo >= hi:
-                nll.append(0.0)
-                continue
-            targets = torch.from_numpy(chunk[lo + 1:hi + 1]).to(logits.device)
-            scored = logits[row, lo - first:hi - first].float()
-            nll.append(float(F.cross_entropy(scored, targets, reduction="sum")))
+            total = 0.0
+            for column, first, count in runs:
+                lo, hi = max(w.score_from, first), min(w.score_to, first + count)  # the scored positions held here
+                if lo >= hi:
+                    continue
+                targets = torch.from_numpy(chunk[lo + 1:hi + 1]).to(logits.device)
+                scored = logits[row, column + lo - first:column + hi - first].float()  # a view, in fp32
+                total += float(F.cross_entropy(scored, targets, reduction="sum"))
+            nll.append(total)
         bar.update(sum(w.tokens for w in batch))
     bar.close()
     return nll
@@ -159,6 +174,7 @@ def ppl_report(
         "trained_context": model.max_seq_len,
         "world_size": ranks.world_size,
         "sequence_parallel": ranks.sequence_parallel,
+        "context_parallel": ranks.context_parallel,
         "results": results,
     }
 
@@ -183,6 +199,7 @@ def run_eval_ppl(
     reference_ranks: int = 1,
     reference_batch_size: int | None = None,
     sequence_parallel: int = 1,
+    context_parallel: int = 1,
 ) -> dict:
     """Perplexity across context lengths (token-weighted; several ranks under torchrun/deepspeed).
 
@@ -215,15 +232,18 @@ def run_eval_ppl(
         sequence_parallel: ranks that share each window (DeepSpeed-Ulysses), each holding length / N of its
             tokens, for lengths one GPU cannot hold; needs a run directory, a launch of a multiple of N ranks
             (torchrun/deepspeed) and lengths that are multiples of N; the numbers equal one process's
+        context_parallel: a ring of R groups that share each window (ring attention, past one node), each rank
+            holding two opposite chunks of length / (2R) tokens (split over --sequence-parallel U inside each
+            group: R × U ranks a window); lengths must be multiples of 2·R·U; the numbers equal one process's
     """
     protocol = resolve_protocol(protocol, stride, reference_ranks, reference_batch_size)
     lengths = sorted(set(lengths or DEFAULT_LENGTHS))
     compared = [read_json(p) for p in compare or []]  # fail on a bad --compare file before the long part
-    check_sequence_parallel(sequence_parallel, model_path, step, lengths)
+    check_sequence_parallel(sequence_parallel, model_path, step, lengths, context_parallel=context_parallel)
     ranks = init_eval_ranks()
     try:
-        ranks, shard = start_sequence_parallel(ranks, sequence_parallel)
-        # Uncompiled under sequence parallelism: training refuses the all-to-all inside compiled layers too.
+        ranks, shard = start_sequence_parallel(ranks, sequence_parallel, context_parallel)
+        # Uncompiled under sequence parallelism: training refuses the all-to-all (and the ring) in compiled layers.
         model = load_eval_model(model_path, dtype, step, compile=False if shard else None)
         model.shard_sequence(shard)
         seed_eval()
