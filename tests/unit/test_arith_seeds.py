@@ -22,7 +22,7 @@ from tapetrain.eval.arith_seeds import (
     pairwise,
     spreads,
 )
-from tapetrain.eval.arith_sweep import NAMES, PAPER, SeedPair, Sweep, seed_pairs, write_summary
+from tapetrain.eval.arith_sweep import NAMES, PAPER, PES, SeedPair, Sweep, seed_pairs, write_summary
 
 
 def fake_report(rng: np.random.Generator, skill: float, train: int = 2, size: int = 3) -> dict:
@@ -127,6 +127,22 @@ def test_seed_pairs_move_data_and_model_seed_together():
     sweep = Sweep(out=Path("o"), pes=["tape"], pairs=seed_pairs(2), config="c.yaml", data_args=[])
     dirs = {sweep.run_dir("tape", p) for p in sweep.pairs} | {sweep.run_dir("rope", p) for p in sweep.pairs}
     assert len(dirs) == 4 and sweep.run_dir("tape", SeedPair(43, 1)) == Path("o/runs/tape/seed-1")
+
+
+def test_tiny_abacus_scale_runs_randpe_and_nope_without_abacus_as_the_paper():
+    from tapetrain.config import load_run_config
+    from tapetrain.eval.arith_sweep import PE_OVERRIDES, SCALES, train_cmd, train_steps
+
+    repo = Path(__file__).resolve().parents[2]
+    sweep = Sweep(out=Path("o"), pes=list(PES), pairs=seed_pairs(1), config=SCALES["tiny-abacus"]["config"],
+                  data_args=SCALES["tiny-abacus"]["data"], overrides=["train.steps=700"],
+                  pe_overrides=PE_OVERRIDES["tiny-abacus"], cwd=repo)
+    for pe in PES:
+        cmd = train_cmd(sweep, pe, sweep.pairs[0])
+        config, overrides = cmd[cmd.index("train") + 1], cmd[cmd.index("train") + 2:]
+        cfg = load_run_config(str(repo / config), overrides)
+        assert (cfg.model.pe, cfg.model.abacus) == (pe, pe in ("tape", "rope", "fire"))
+        assert overrides[-1] == "train.steps=700" and train_steps(sweep, pe) == 700  # --set comes last, wins
 
 
 def test_loss_curves_are_each_runs_logged_losses(tmp_path):
