@@ -204,3 +204,29 @@ def test_the_reported_seeds_are_not_the_ones_the_recipe_was_chosen_on():
     for model_seed, data_seed in probes.items():  # each probe is the run it claims to be
         probe = json.loads((RESULTS / "arith-tiny-tuning" / "probes" / "tape" / f"seed-{model_seed}.json").read_text())
         assert probe["data"].endswith(f"seed-{data_seed}") and probe["model"].endswith(f"seed-{model_seed}@step3000")
+
+
+def test_the_abacus_recipe_is_reported_on_seeds_it_was_not_chosen_on():
+    """configs/arith-tiny-abacus-cpu.yaml was chosen on arith-abacus-tuning's seeds (which the tiny recipe had tuned
+    on too); arith-abacus reports it on data and model seeds that neither search, nor the tiny table, used. Its
+    summary is its per-seed results."""
+    tuning = json.loads((RESULTS / "arith-abacus-tuning" / "summary.json").read_text())["seed_pairs"]
+    earlier = [json.loads((RESULTS / name / "summary.json").read_text())["seed_pairs"]
+               for name in ("arith-tiny-tuning", "arith-tiny")]
+    probes = json.loads((RESULTS / "arith-tiny-tuning" / "probes" / "seed_pairs.json").read_text())
+    seen_data = {p["data_seed"] for pairs in (tuning, *earlier) for p in pairs} | set(probes.values())
+    seen_model = {p["model_seed"] for pairs in (tuning, *earlier) for p in pairs} | {int(m) for m in probes}
+    root = RESULTS / "arith-abacus"
+    summary = json.loads((root / "summary.json").read_text())
+    reported = summary["seed_pairs"]
+    assert not {p["data_seed"] for p in reported} & seen_data
+    assert not {p["model_seed"] for p in reported} & seen_model
+    assert summary["config"] == "configs/arith-tiny-abacus-cpu.yaml" and not summary["overrides"]
+    reports = {pe: [json.loads((root / "results" / pe / f"seed-{p['model_seed']}.json").read_text()) for p in reported]
+               for pe in summary["pes"]}  # fmt: skip
+    for pe, spread in spreads(reports).items():
+        for metric in METRICS:
+            assert summary["results"][pe][metric]["per_seed"] == list(spread[metric].values)
+        for report, pair in zip(reports[pe], reported, strict=True):  # each result is the run it claims to be
+            assert report["data"].endswith(f"seed-{pair['data_seed']}")
+            assert report["model"].endswith(f"seed-{pair['model_seed']}@step2000")
