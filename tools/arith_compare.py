@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from tapetrain.errors import UserError
-from tapetrain.eval.arith_sweep import PES, SCALES, Sweep, run_sweep, seed_pairs
+from tapetrain.eval.arith_sweep import PE_OVERRIDES, PES, SCALES, Sweep, run_sweep, seed_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         config=scale["config"],
         data_args=args.data_args.split() if args.data_args else scale["data"],
         overrides=args.set,
+        pe_overrides=PE_OVERRIDES.get(args.scale, {}),
         gpus=args.gpus,
         cwd=REPO,
         paper=args.scale == "paper",

@@ -46,7 +46,8 @@ def parse_size(size: int | str) -> int:
 
 
 def uses_remote_code(cfg: ModelConfig) -> bool:
-    return cfg.pe != "rope"
+    """Everything but plain RoPE (a family's own class) needs the remote code; Abacus embeddings do too."""
+    return cfg.pe != "rope" or cfg.abacus
 
 
 def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: int | None = None):
@@ -103,6 +104,10 @@ def hf_config(cfg: ModelConfig, dtype: str, bos_id: int | None = None, eos_id: i
             fire_shared=cfg.fire_shared,
             fire_init_c=cfg.fire_init_c,
             fire_init_threshold=cfg.fire_init_threshold,
+            abacus=cfg.abacus,
+            abacus_digit_ids=list(cfg.abacus_digit_ids),
+            abacus_max_places=cfg.abacus_max_places,
+            abacus_train_offset=cfg.abacus_train_offset,
             **common,
         )
         config.auto_map = dict(AUTO_MAP)

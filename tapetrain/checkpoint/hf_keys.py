@@ -37,6 +37,7 @@ KEY_TABLE: list[tuple[str, str]] = [
     ("norm.weight", "model.norm.weight"),
     ("lm_head.weight", "lm_head.weight"),
     # Positional extras (remote-code model only).
+    ("abacus.embed.weight", "model.abacus.embed.weight"),  # model.abacus digit places
     ("layers.{layer}.attn.tape_mix.weight", "model.layers.{layer}.self_attn.tape_mix.weight"),
     ("layers.{layer}.tape_mlp.{tape_proj}.weight", "model.layers.{layer}.tape_mlp.{tape_proj}.weight"),
     ("pe.fire.{fire_param}", "model.pe.fire.{fire_param}"),  # fire_shared

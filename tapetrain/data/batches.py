@@ -86,10 +86,15 @@ class BatchIterator:
 
     def indices_ahead(self, k: int) -> np.ndarray:
         """Dataset indices (micro_batch_size,) of the micro batch `k` micro steps after the next one."""
+        return self._order(self.slots_ahead(k))
+
+    def slots_ahead(self, k: int) -> np.ndarray:
+        """Global sample slots (micro_batch_size,) of the micro batch `k` micro steps after the next one: the same
+        samples have the same slots on any number of ranks (what per-sample random draws are keyed on)."""
         mb = self.micro_batch_size
         steps, micro = divmod(self._micro_step + k, self.grad_accum_steps)
         first = self.consumed_samples + steps * self.global_batch_size + (micro * self.world_size + self.rank) * mb
-        return self._order(np.arange(first, first + mb, dtype=np.int64))
+        return np.arange(first, first + mb, dtype=np.int64)
 
     def read(self, indices: np.ndarray) -> Any:
         """The micro batch of these dataset indices (see `read_batch`)."""

@@ -24,7 +24,17 @@ def panel_title(report: dict, label: str | None = None) -> str:
 
 
 def plot_heatmaps(reports: list[dict], out_png: str, labels: list[str] | None = None) -> None:
-    """One heatmap per report side by side; the dashed square marks the training lengths."""
+    """One heatmap per report side by side (`heatmap_figure`), written to out_png."""
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure(reports, labels)
+    save_figure(fig, out_png)
+    plt.close(fig)
+
+
+def heatmap_figure(reports: list[dict], labels: list[str] | None = None):
+    """The figure of `plot_heatmaps`: per report its heatmap, titled with the whole grid's average (the paper's
+    number); the dashed square marks where the training lengths end."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -55,5 +65,4 @@ def plot_heatmaps(reports: list[dict], out_png: str, labels: list[str] | None = 
             ax.set_ylabel("length of the first operand")
         ax.set_title(panel_title(report, labels[i] if labels else None), fontsize=9)
     fig.colorbar(image, ax=axes[0].tolist(), label="exact match (%)", shrink=0.85)
-    save_figure(fig, out_png)
-    plt.close(fig)
+    return fig

@@ -48,8 +48,18 @@ SCALES = {
         "data": ["--max-digits", "3", "--eval-max-digits", "6", "--train-examples", "200000"],
         "config": "configs/arith-tiny-cpu.yaml",
     },
+    # the tiny data with Abacus digit places: a length-generalisation signal at CPU scale
+    "tiny-abacus": {
+        "data": ["--max-digits", "3", "--eval-max-digits", "6", "--train-examples", "200000"],
+        "config": "configs/arith-tiny-abacus-cpu.yaml",
+    },
     # the paper: operands up to 20 digits, grid to 40 (defaults of `tapetrain data arith`)
     "paper": {"data": [], "config": "configs/arith-{pe}.yaml"},
+}
+# Per-PE settings of a scale's runs beyond model.pe (the paper's configs carry theirs in configs/arith-{pe}.yaml):
+# the paper ran RandPE and NoPE without Abacus.
+PE_OVERRIDES: dict[str, dict[str, list[str]]] = {
+    "tiny-abacus": {"randpe": ["model.abacus=false"], "nope": ["model.abacus=false"]},
 }
 POLL_S = 1.0
 
@@ -78,6 +88,7 @@ class Sweep:
     data_args: list[str]
     overrides: list[str] = field(default_factory=list)
     gpus: int = 0
+    pe_overrides: dict[str, list[str]] = field(default_factory=dict)  # PE -> its own KEY=VALUE (before --set)
     cwd: Path = Path(".")
     paper: bool = False  # add the paper's column to the table
     done: list[str] = field(default_factory=list)  # steps run by this invocation (the rest were reused)
@@ -155,6 +166,7 @@ def train_cmd(sweep: Sweep, pe: str, pair: SeedPair) -> list[str]:
         f"run.seed={pair.model_seed}",
         f"data.train={sweep.data_dir(pair)}",
         f"model.pe={pe}",
+        *sweep.pe_overrides.get(pe, []),
         *sweep.overrides,
     ]
     config = sweep.config.format(pe=pe)
@@ -167,7 +179,8 @@ def train_cmd(sweep: Sweep, pe: str, pair: SeedPair) -> list[str]:
 def train_steps(sweep: Sweep, pe: str) -> int:
     from tapetrain.config import load_run_config
 
-    return load_run_config(str(sweep.cwd / sweep.config.format(pe=pe)), sweep.overrides).train.steps
+    overrides = [*sweep.pe_overrides.get(pe, []), *sweep.overrides]
+    return load_run_config(str(sweep.cwd / sweep.config.format(pe=pe)), overrides).train.steps
 
 
 def run_one(sweep: Sweep, pe: str, pair: SeedPair) -> dict:
@@ -223,6 +236,7 @@ def write_summary(sweep: Sweep, reports: dict[str, list[dict]]) -> dict:
         "config": sweep.config,
         "data_args": sweep.data_args,
         "overrides": sweep.overrides,
+        "pe_overrides": sweep.pe_overrides,
         "gpus": sweep.gpus,
         "steps_run": list(sweep.done),
     }

@@ -33,6 +33,7 @@ class KVCache:
     n_layers: int
     layers: list[LayerCache] = field(default_factory=list)
     positions: torch.Tensor | None = None  # (B, S) float64 positions of every cached token
+    abacus_carry: torch.Tensor | None = None  # (B,) model.abacus: the digit place of the last cached token
 
     def __post_init__(self) -> None:
         if not self.layers:

@@ -141,6 +141,22 @@ class ModelConfig:
     fire_init_threshold: float = option(
         512.0, "fire: L₀ of the threshold L = |m·L₀|, m a learned multiplier starting at 1 (512, the baseline)."
     )
+    abacus: bool = option(
+        False,
+        "Abacus digit-place embeddings (McLeish et al. 2024; the TAPE paper's arithmetic): every digit token also "
+        "gets a learned embedding of its place in its number (1st, 2nd, ... digit, in token order), any PE.",
+    )
+    abacus_digit_ids: list[int] = option(
+        [4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+        "abacus: the token ids of the digits (default: 0-9 of `tapetrain data arith`'s character vocabulary).",
+    )
+    abacus_max_places: int = option(256, "abacus: places with an embedding (longest number + training offset).")
+    abacus_train_offset: int = option(
+        100,
+        "abacus: while training, every place of a sequence is shifted by a random offset in [0, this), drawn from "
+        "(run.seed, the sample's slot in the data order), so longer numbers' places are trained (0 = none; none at "
+        "evaluation).",
+    )
     s2_attn: bool = option(
         False, "LongLoRA shifted sparse attention while training (full attention at evaluation); rope/nope only."
     )
@@ -275,6 +291,7 @@ class ModelConfig:
             fail("s2_attn", f"shifted sparse attention is implemented for rope and nope, not {self.pe}", "set false")
         if not 0 < self.s2_attn_group_fraction <= 1:
             fail("s2_attn_group_fraction", f"must be in (0, 1], got {self.s2_attn_group_fraction}", "use 0.25")
+        self._validate_abacus(fail)
         if self.loss_backend not in LOSS_BACKENDS:
             fail("loss_backend", f"unknown backend {self.loss_backend!r}", f"choose one of {', '.join(LOSS_BACKENDS)}")
         if not self.loss_chunk_mib > 0:
@@ -287,6 +304,18 @@ class ModelConfig:
         if self.attn_backend not in ATTN_BACKENDS:
             fail("attn_backend", f"unknown backend {self.attn_backend!r}", f"choose one of {', '.join(ATTN_BACKENDS)}")
         return self
+
+    def _validate_abacus(self, fail) -> None:
+        ids = self.abacus_digit_ids
+        if not ids or len(set(ids)) != len(ids) or any(not isinstance(i, int) or not 0 <= i < self.vocab_size
+                                                       for i in ids):
+            fail("abacus_digit_ids", f"{ids} must be distinct token ids in 0..{self.vocab_size - 1}",
+                 "list the ids of the digit tokens (4..13 for `tapetrain data arith`)")
+        if self.abacus_max_places < 1:
+            fail("abacus_max_places", f"must be >= 1, got {self.abacus_max_places}", "use e.g. 256")
+        if not 0 <= self.abacus_train_offset < self.abacus_max_places:
+            fail("abacus_train_offset", f"{self.abacus_train_offset} must be in [0, abacus_max_places="
+                 f"{self.abacus_max_places})", "lower it, or raise model.abacus_max_places")
 
     def _validate_rope_scaling(self, fail) -> None:
         scaling = self.rope_scaling

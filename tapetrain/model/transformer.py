@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tapetrain.model.abacus import AbacusEmbedding, check_places, digit_places, offset_places
 from tapetrain.model.attention import attention, shifted_sparse_attention
 from tapetrain.model.cache import KVCache, LayerCache
 from tapetrain.model.config import ModelConfig
@@ -248,6 +249,7 @@ class Transformer(nn.Module):
         cfg.validate()
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.abacus = AbacusEmbedding(cfg.abacus_max_places, cfg.d_model) if cfg.abacus else None  # model.abacus
         self.pe = PositionalEncoding(cfg)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
@@ -323,6 +325,7 @@ class Transformer(nn.Module):
         tape_state: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         doc_ids: torch.Tensor | None = None,
+        abacus_offsets: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids (B, T); labels (B, T) aligned with the inputs (already shifted; -100 = ignore). With labels the
         loss is computed by model.loss_backend and logits are None (except the plain backend).
@@ -334,6 +337,8 @@ class Transformer(nn.Module):
         doc_ids (B, T) int (data.document_mask): packed documents, contiguous runs of equal ids; positions restart
         at 0 (+ position_offset) at every document start and attention stays inside each document, so every
         document computes what it would alone (RandPE: one draw per document). Not with a cache or explicit positions.
+        abacus_offsets (B,) int (model.abacus): the training offsets of the digits' places (the trainer passes
+        `abacus_offsets` of the samples' slots); None = drawn from torch's RNG while training, none in eval mode.
 
         One forward for every layout: without a shard (`shard_sequence`) the model is the one rank of
         `WHOLE_SEQUENCE`. With a shard of N ranks input_ids and labels are this rank's slice (B, T/N); positions and
@@ -345,7 +350,7 @@ class Transformer(nn.Module):
         shard = WHOLE_SEQUENCE if self.sequence_shard is None else self.sequence_shard
         b, t = input_ids.shape
         x, ctx, state = self.layer_inputs(input_ids, positions=positions, position_offset=position_offset, cache=cache,
-                                          tape_state=tape_state, doc_ids=doc_ids)
+                                          tape_state=tape_state, doc_ids=doc_ids, abacus_offsets=abacus_offsets)
         hidden = self._decode(x, ctx, state, cache)  # (B, T/N, C)
         if labels is None:
             return ModelOutput(logits=self.lm_head(hidden[:, kept_tokens(shard, t, logits_to_keep)]))
@@ -361,6 +366,7 @@ class Transformer(nn.Module):
     def layer_inputs(
         self, input_ids: torch.Tensor, *, positions: torch.Tensor | None = None, position_offset: int = 0,
         cache: KVCache | None = None, tape_state: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+        abacus_offsets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, PositionContext, torch.Tensor | None]:
         """What the first decoder layer takes, as `forward` computes it (arguments as there): the embeddings
         x (B, T/N, C), the positional context and TAPE's E^(0) (B, T/N, M, D) or None. The memory model measures one
@@ -372,9 +378,27 @@ class Transformer(nn.Module):
                                               input_ids.device)  # (B, T) float64: the whole sequences'
         key_positions = cache.extend_positions(whole) if cache is not None else whole  # (B, S)
         x = self.embed(input_ids)  # (B, T/N, C)
+        if self.abacus is not None:
+            x = x + self._abacus_embedding(input_ids, cache, abacus_offsets, shard)
         ctx = self.pe.context(whole[:, local_tokens(shard, whole.shape[1])], key_positions, x.dtype, sample, shard,
                               docs)
         return x, ctx, tape_state if tape_state is not None else ctx.tape_init
+
+    def _abacus_embedding(self, input_ids: torch.Tensor, cache: KVCache | None, offsets: torch.Tensor | None,
+                          shard: SequenceShard) -> torch.Tensor:
+        """The digits' place embeddings (B, T, C) (model/abacus.py); a number begun in the cache keeps counting."""
+        if shard.size > 1:
+            raise ValueError("model.abacus counts digit places along whole sequences; it does not run with sequence "
+                             "parallelism (set parallel.sequence_parallel=1)")
+        digit_ids = torch.tensor(self.cfg.abacus_digit_ids, device=input_ids.device)
+        places = digit_places(torch.isin(input_ids, digit_ids), cache.abacus_carry if cache is not None else None)
+        if cache is not None:
+            cache.abacus_carry = places[:, -1]  # (B,) the place of the last cached token
+        if offsets is None and self.training and self.cfg.abacus_train_offset > 1:
+            offsets = torch.randint(0, self.cfg.abacus_train_offset, (input_ids.shape[0],), device=input_ids.device)
+        places = offset_places(places, offsets if self.training else None)
+        check_places(places, self.cfg.abacus_max_places)
+        return self.abacus(places)
 
     def _positions(
         self, batch: int, length: int, positions: torch.Tensor | None, offset: int, cache: KVCache | None,

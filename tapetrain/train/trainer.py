@@ -18,6 +18,7 @@ from tapetrain.data.cache import remote_data_metrics
 from tapetrain.data.supervised import document_ids, inputs_and_labels
 from tapetrain.distributed import DistEnv, all_reduce_sum, barrier
 from tapetrain.errors import RunError
+from tapetrain.model.abacus import abacus_offsets
 from tapetrain.train.checkpointing import TrainingProgress
 from tapetrain.train.heartbeat import (
     Heartbeat,
@@ -123,6 +124,15 @@ class Trainer:
         gen = torch.Generator().manual_seed(self.cfg.run.seed * 1_000_003 + self.step)
         return int(torch.randint(0, limit + 1, (1,), generator=gen))
 
+    def _abacus_offsets(self, slots) -> dict:
+        """model.abacus: the forward's abacus_offsets keyword, a pure function of (run.seed, the samples' global
+        slots), so the same on any number of ranks and after a resume (model/abacus.py); {} without Abacus."""
+        model_cfg = self.c.model.cfg
+        if not model_cfg.abacus:
+            return {}
+        offsets = abacus_offsets(self.cfg.run.seed, slots, model_cfg.abacus_train_offset)
+        return {"abacus_offsets": offsets.to(self.env.device)}
+
     def train_step(self) -> dict:
         """One optimizer step. The loss sum and the count of finite micro-batch losses stay on the device and are
         reduced once, before the boundary engine.step(): a non-finite loss on any rank skips the whole update
@@ -137,13 +147,14 @@ class Trainer:
         accum = batches.grad_accum_steps
         for micro in range(accum):
             wait_start = time.perf_counter()
+            abacus = self._abacus_offsets(batches.slots_ahead(0))  # before next_micro_batch moves past them
             batch = batches.next_micro_batch().to(device, non_blocking=True)  # (b, seq_len + 1)
             data_wait += time.perf_counter() - wait_start
             inputs, labels = inputs_and_labels(batch)  # supervised examples: labels -100 outside the answers
             docs = document_ids(batch)  # (b, seq_len) int32 with data.document_mask, else None
             if self.sp is not None:  # this rank's T/N tokens; the loss is the group's (every rank logs the same)
                 inputs, labels = self.sp.local(inputs, labels)  # document ids stay whole (the model slices them)
-            out = engine(inputs, labels=labels, position_offset=offset, **_documents(docs))
+            out = engine(inputs, labels=labels, position_offset=offset, **_documents(docs), **abacus)
             loss = out.loss.detach()
             finite = torch.isfinite(loss)
             loss_sum += torch.where(finite, loss, torch.zeros_like(loss)).double()

@@ -1,5 +1,7 @@
 """Supervised examples (tapetrain data arith) through real DeepSpeed training, tested as the LM reader is: the same
-per-step losses on 1 and 2 ranks, bit-identical losses after SIGKILL + resume, and resume on another rank count."""
+per-step losses on 1 and 2 ranks, bit-identical losses after SIGKILL + resume, and resume on another rank count.
+The model adds Abacus digit places (model.abacus), so the same checks hold its random training offsets: keyed on
+the samples' slots in the data order, they are the same on 1 and 2 ranks and after a resume."""
 
 import shutil
 import signal
@@ -24,8 +26,8 @@ def arith_dir(tmp_path_factory):
 
 
 def config(path, data, out, **train):
-    """A tiny TAPE model on 3-digit additions (examples up to 14 tokens), ZeRO-2, answer-only loss."""
-    return write_config(path, data, out, model={"vocab_size": VOCAB_SIZE, "max_seq_len": 16},
+    """A tiny TAPE model with Abacus on 3-digit additions (examples up to 14 tokens), ZeRO-2, answer-only loss."""
+    return write_config(path, data, out, model={"vocab_size": VOCAB_SIZE, "max_seq_len": 16, "abacus": True},
                         data={"seq_len": 13}, train={"steps": STEPS, "save_interval": 15, **train})
 
 

@@ -22,7 +22,7 @@ from tapetrain.eval.arith_seeds import (
     pairwise,
     spreads,
 )
-from tapetrain.eval.arith_sweep import NAMES, PAPER, SeedPair, Sweep, seed_pairs, write_summary
+from tapetrain.eval.arith_sweep import NAMES, PAPER, PES, SeedPair, Sweep, seed_pairs, write_summary
 
 
 def fake_report(rng: np.random.Generator, skill: float, train: int = 2, size: int = 3) -> dict:
@@ -129,6 +129,22 @@ def test_seed_pairs_move_data_and_model_seed_together():
     assert len(dirs) == 4 and sweep.run_dir("tape", SeedPair(43, 1)) == Path("o/runs/tape/seed-1")
 
 
+def test_tiny_abacus_scale_runs_randpe_and_nope_without_abacus_as_the_paper():
+    from tapetrain.config import load_run_config
+    from tapetrain.eval.arith_sweep import PE_OVERRIDES, SCALES, train_cmd, train_steps
+
+    repo = Path(__file__).resolve().parents[2]
+    sweep = Sweep(out=Path("o"), pes=list(PES), pairs=seed_pairs(1), config=SCALES["tiny-abacus"]["config"],
+                  data_args=SCALES["tiny-abacus"]["data"], overrides=["train.steps=700"],
+                  pe_overrides=PE_OVERRIDES["tiny-abacus"], cwd=repo)
+    for pe in PES:
+        cmd = train_cmd(sweep, pe, sweep.pairs[0])
+        config, overrides = cmd[cmd.index("train") + 1], cmd[cmd.index("train") + 2:]
+        cfg = load_run_config(str(repo / config), overrides)
+        assert (cfg.model.pe, cfg.model.abacus) == (pe, pe in ("tape", "rope", "fire"))
+        assert overrides[-1] == "train.steps=700" and train_steps(sweep, pe) == 700  # --set comes last, wins
+
+
 def test_loss_curves_are_each_runs_logged_losses(tmp_path):
     """loss_curves.json holds every (step, loss) each run logged, seed by seed; a run not on disk is left out."""
     files = write_results(tmp_path, {"tape": [0.9, 0.8], "rope": [0.7, 0.6]})
@@ -188,3 +204,29 @@ def test_the_reported_seeds_are_not_the_ones_the_recipe_was_chosen_on():
     for model_seed, data_seed in probes.items():  # each probe is the run it claims to be
         probe = json.loads((RESULTS / "arith-tiny-tuning" / "probes" / "tape" / f"seed-{model_seed}.json").read_text())
         assert probe["data"].endswith(f"seed-{data_seed}") and probe["model"].endswith(f"seed-{model_seed}@step3000")
+
+
+def test_the_abacus_recipe_is_reported_on_seeds_it_was_not_chosen_on():
+    """configs/arith-tiny-abacus-cpu.yaml was chosen on arith-abacus-tuning's seeds (which the tiny recipe had tuned
+    on too); arith-abacus reports it on data and model seeds that neither search, nor the tiny table, used. Its
+    summary is its per-seed results."""
+    tuning = json.loads((RESULTS / "arith-abacus-tuning" / "summary.json").read_text())["seed_pairs"]
+    earlier = [json.loads((RESULTS / name / "summary.json").read_text())["seed_pairs"]
+               for name in ("arith-tiny-tuning", "arith-tiny")]
+    probes = json.loads((RESULTS / "arith-tiny-tuning" / "probes" / "seed_pairs.json").read_text())
+    seen_data = {p["data_seed"] for pairs in (tuning, *earlier) for p in pairs} | set(probes.values())
+    seen_model = {p["model_seed"] for pairs in (tuning, *earlier) for p in pairs} | {int(m) for m in probes}
+    root = RESULTS / "arith-abacus"
+    summary = json.loads((root / "summary.json").read_text())
+    reported = summary["seed_pairs"]
+    assert not {p["data_seed"] for p in reported} & seen_data
+    assert not {p["model_seed"] for p in reported} & seen_model
+    assert summary["config"] == "configs/arith-tiny-abacus-cpu.yaml" and not summary["overrides"]
+    reports = {pe: [json.loads((root / "results" / pe / f"seed-{p['model_seed']}.json").read_text()) for p in reported]
+               for pe in summary["pes"]}  # fmt: skip
+    for pe, spread in spreads(reports).items():
+        for metric in METRICS:
+            assert summary["results"][pe][metric]["per_seed"] == list(spread[metric].values)
+        for report, pair in zip(reports[pe], reported, strict=True):  # each result is the run it claims to be
+            assert report["data"].endswith(f"seed-{pair['data_seed']}")
+            assert report["model"].endswith(f"seed-{pair['model_seed']}@step2000")

@@ -531,15 +531,20 @@ def test_arith_paper_config_matches_the_paper_recipe():
     assert (m.n_layers, m.d_model, m.n_heads, m.ffn_hidden, m.vocab_size, m.pe) == (16, 1024, 16, 2048, 16, "tape")
     assert (cfg.data.seq_len, cfg.train.global_batch_size, cfg.train.steps, cfg.optim.lr) == (64, 512, 20000, 1e-4)
     assert cfg.data.packing is False  # one example per sequence
+    # Abacus as the paper's code: places of a 21-digit sum plus the largest training offset fit the table
+    assert (m.abacus, m.abacus_train_offset, m.abacus_digit_ids) == (True, 100, list(range(4, 14)))
+    assert m.abacus_max_places >= 21 + m.abacus_train_offset - 1
 
 
 @pytest.mark.parametrize("pe", ["rope", "nope", "randpe", "fire"])
 def test_arith_twins_differ_only_in_pe_and_out_dir(pe):
+    """... and in Abacus, which the paper ran with TAPE, RoPE and FIRE but not with RandPE and NoPE."""
     tape = load_run_config(str(REPO / "configs" / "arith-tape.yaml")).to_dict()
     twin = load_run_config(str(REPO / "configs" / f"arith-{pe}.yaml")).to_dict()
     assert twin["model"]["pe"] == pe and twin["run"]["out_dir"] == f"runs/arith-{pe}"
+    assert twin["model"]["abacus"] == (pe in ("rope", "fire"))
     for d in (tape, twin):
-        del d["model"]["pe"], d["run"]["out_dir"]
+        del d["model"]["pe"], d["run"]["out_dir"], d["model"]["abacus"]
     assert twin == tape
 
 

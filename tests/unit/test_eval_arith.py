@@ -10,7 +10,7 @@ import torch
 from tapetrain.data.arith import DIGIT0, answer_ids, problem_ids
 from tapetrain.data.char_vocab import EOS_ID
 from tapetrain.eval.arith import answer_text, score_cells
-from tapetrain.eval.arith_plots import accuracy_grid, plot_heatmaps
+from tapetrain.eval.arith_plots import accuracy_grid, heatmap_figure, plot_heatmaps
 from tapetrain.eval.decoding import Continuation, generate
 from tapetrain.eval.models import EvalModel
 from tapetrain.model import ModelConfig, Transformer
@@ -86,6 +86,13 @@ def test_heatmap_png(tmp_path):
     assert grid.shape == (3, 3) and grid[2, 0] == pytest.approx(100 * 4 / 6)
     plot_heatmaps([report, report], str(tmp_path / "h.png"), labels=["TAPE", "RoPE"])
     assert (tmp_path / "h.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.pyplot as plt
+
+    fig = heatmap_figure([report])
+    (box,) = fig.axes[0].patches  # where the training lengths end: the 2x2 square of the 3x3 grid
+    assert (box.get_x(), box.get_y(), box.get_width(), box.get_height()) == (0.5, 0.5, 2, 2)
+    assert fig.axes[0].get_title() == "x: 50.00% average"  # the whole grid's mean, the paper's number
+    plt.close(fig)
 
 
 def test_arith_compare_is_a_shim_over_the_package():

@@ -47,6 +47,10 @@ class TapetrainConfig(PreTrainedConfig):
         fire_shared: bool = False,  # fire: one module for all layers instead of one per layer
         fire_init_c: float = 0.1,
         fire_init_threshold: float = 512.0,  # fire: L₀ of L = |m · L₀|
+        abacus: bool = False,  # Abacus digit-place embeddings (McLeish et al. 2024)
+        abacus_digit_ids: list[int] | None = None,  # abacus: the digit tokens' ids
+        abacus_max_places: int = 256,  # abacus: places with an embedding
+        abacus_train_offset: int = 100,  # abacus: random place offset in [0, this) while training
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = False,
         bos_token_id: int | None = None,
@@ -86,6 +90,10 @@ class TapetrainConfig(PreTrainedConfig):
         self.fire_shared = fire_shared
         self.fire_init_c = fire_init_c
         self.fire_init_threshold = fire_init_threshold
+        self.abacus = abacus
+        self.abacus_digit_ids = list(abacus_digit_ids) if abacus_digit_ids is not None else list(range(4, 14))
+        self.abacus_max_places = abacus_max_places
+        self.abacus_train_offset = abacus_train_offset
         self.initializer_range = initializer_range
         # Passed up, not set here: transformers 4.x's base __init__ would overwrite them with its defaults.
         super().__init__(

@@ -338,17 +338,68 @@ def position_context(
     return ctx
 
 
+# ---- Abacus digit places (abacus=True) ---------------------------------------------------------------------------
+
+
+# Copied from tapetrain.model.abacus.digit_places
+def digit_places(is_digit: torch.Tensor, carry: torch.Tensor | None = None) -> torch.Tensor:
+    """is_digit (B, T) bool -> places (B, T) int64: 1, 2, ... along every run of consecutive digits, 0 elsewhere.
+
+    carry (B,) int64: the place of the token just before these (the last cached token; 0 = not a digit), so a
+    number that began in a cached prefix keeps counting where the prefix stopped."""
+    b, t = is_digit.shape
+    index = torch.arange(t, device=is_digit.device).expand(b, t)  # (B, T)
+    # The last non-digit at or before each token; before the first one it is a virtual token `carry` places back.
+    before = -1 - (carry if carry is not None else torch.zeros(b, dtype=torch.long, device=is_digit.device))
+    last_break = torch.where(is_digit, before[:, None].expand(b, t), index).cummax(dim=1).values  # (B, T)
+    return torch.where(is_digit, index - last_break, torch.zeros_like(index))
+
+
+# Copied from tapetrain.model.abacus.AbacusEmbedding
+class AbacusEmbedding(nn.Module):
+    """Learned embeddings of places 1..max_places; place 0 (not a digit) adds nothing."""
+
+    def __init__(self, max_places: int, d_model: int):
+        super().__init__()
+        self.max_places = max_places
+        self.embed = nn.Embedding(max_places + 1, d_model)
+
+    def forward(self, places: torch.Tensor) -> torch.Tensor:
+        """places (B, T) int64 -> (B, T, C). Places past max_places are refused on CPU (`check_places`); elsewhere
+        they are clamped to the last embedding rather than read out of bounds."""
+        vectors = self.embed(places.clamp(max=self.max_places))
+        return vectors * (places > 0).unsqueeze(-1).to(vectors.dtype)
+
+
+def training_offset(config: TapetrainConfig, places: torch.Tensor) -> torch.Tensor:
+    """places (B, T) with a random offset in [0, abacus_train_offset) per sequence added to its digits' places, as
+    while training (tapetrain keys its offsets on the data order; here they come from torch's RNG)."""
+    if config.abacus_train_offset <= 1:
+        return places
+    offsets = torch.randint(0, config.abacus_train_offset, (places.shape[0],), device=places.device)
+    return torch.where(places > 0, places + offsets[:, None], places)
+
+
 # ---- cache -------------------------------------------------------------------------------------------------------
 
 
 class TapetrainCache(DynamicCache):
     """DynamicCache of rotated keys (per query head for TAPE) and values, plus TAPE's state E of the cached
-    tokens per layer (one more value stream, token-major (B, S, M, D)) and their positions (B, S) float64."""
+    tokens per layer (one more value stream, token-major (B, S, M, D)), their positions (B, S) float64 and, with
+    Abacus, their digit places (B, S) int64 (a number begun in the prompt keeps counting)."""
 
     def __init__(self):
         super().__init__()
         self.states: dict[int, torch.Tensor] = {}
         self.positions: torch.Tensor | None = None
+        self.places: torch.Tensor | None = None
+
+    def extend_places(self, new: torch.Tensor) -> None:
+        self.places = new if self.places is None else torch.cat([self.places, new], dim=1)
+
+    def place_carry(self) -> torch.Tensor | None:
+        """(B,) the digit place of the last cached token, None when nothing is cached."""
+        return None if self.places is None or self.places.shape[1] == 0 else self.places[:, -1]
 
     def update_state(self, state: torch.Tensor, layer_idx: int) -> torch.Tensor:
         old = self.states.get(layer_idx)
@@ -363,6 +414,8 @@ class TapetrainCache(DynamicCache):
         self.states = {i: fn(s) for i, s in self.states.items()}
         if self.positions is not None:
             self.positions = fn(self.positions)
+        if self.places is not None:
+            self.places = fn(self.places)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -382,6 +435,8 @@ class TapetrainCache(DynamicCache):
         self.states = {i: s[:, :length] for i, s in self.states.items()}
         if self.positions is not None:
             self.positions = self.positions[:, :length]
+        if self.places is not None:
+            self.places = self.places[:, :length]
 
 
 # transformers 5.24 renamed `past_key_values` to `cache` (forward arguments, generate's model_kwargs, output fields).
@@ -707,6 +762,7 @@ class TapetrainModel(TapetrainPreTrainedModel):
     def __init__(self, config: TapetrainConfig):
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.abacus = AbacusEmbedding(config.abacus_max_places, config.hidden_size) if config.abacus else None
         self.pe = PositionModule(config)
         self.layers = nn.ModuleList(TapetrainDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -742,6 +798,15 @@ class TapetrainModel(TapetrainPreTrainedModel):
         past_key_values = given_cache(cache, past_key_values)
         cache = as_tapetrain_cache(past_key_values) if (use_cache or past_key_values is not None) else None
         past = cache.get_seq_length() if cache is not None else 0
+        if self.abacus is not None:
+            if input_ids is None:
+                raise ValueError("this model adds Abacus digit-place embeddings, computed from the token ids: pass "
+                                 "input_ids, not inputs_embeds")
+            digit_ids = torch.tensor(self.config.abacus_digit_ids, device=input_ids.device)
+            places = digit_places(torch.isin(input_ids, digit_ids), cache.place_carry() if cache is not None else None)
+            if cache is not None:
+                cache.extend_places(places)  # (B, S): the places without offsets
+            x = x + self.abacus(training_offset(self.config, places) if self.training else places)
         index = position_ids.expand(b, t) if position_ids is not None else None
         if index is None:
             index = torch.arange(past, past + t, device=x.device).expand(b, t)
