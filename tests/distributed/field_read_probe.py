@@ -143,6 +143,8 @@ def model_variants() -> None:
                 dict(pe="rope", s2_attn=True, s2_attn_group_fraction=0.5), dict(pe="nope", causal=False),
                 dict(pe="alibi"), dict(pe="randpe", randpe_max_position=64), dict(pe="xpos", xpos_scale_base=64.0),
                 dict(pe="fire", fire_hidden=8),
+                dict(pe="rope", abacus=True, abacus_digit_ids=list(range(4, 14)), abacus_max_places=64,
+                     abacus_train_offset=8),
                 dict(pe="tape", family="qwen3", head_size=16,
                      rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 16}),
                 dict(pe="rope", family="qwen2", rope_scaling={"rope_type": "dynamic", "factor": 2.0,

@@ -54,7 +54,8 @@ def test_start_up_phases_saves_and_validation_are_logged(feature_run):
     assert saving < saved and re.search(r"saved checkpoint \S+step_00000002 \(\d+\.\d MiB in \d+\.\d s\)", out)
     assert "validation @ step 2" in out  # the progress bar
     assert re.search(r"step 2 \| val_loss \d+\.\d+ \| val_ppl .* 8 samples \(512 tokens\)", out)
-    assert out.count("attention backend:") == 1  # one TAPE model, one line (the last layer used to add a second)
+    # the execution plan is resolved once and logged once (its per-layer lines: one per kind of layer)
+    assert out.count("execution plan: attention") == 1
     assert "FutureWarning" not in out and "Traceback" not in out
 
 
