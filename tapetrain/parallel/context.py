@@ -19,11 +19,12 @@ from typing import Any
 import torch
 
 from tapetrain.model.sequence_shard import LocalAttention
+from tapetrain.parallel.group_reductions import GroupReductions
 from tapetrain.parallel.layout import ParallelLayout
 from tapetrain.parallel.ring import Ring, ring_attention, ring_tokens
 
 
-class RingShard:
+class RingShard(GroupReductions):
     """The SequenceShard of one rank of R × U (`ulysses` None for U = 1)."""
 
     def __init__(self, group: Any, rank: int, ring: Ring, ulysses: Any | None):
@@ -31,7 +32,6 @@ class RingShard:
         self.ring, self.ulysses = ring, ulysses
         self.ulysses_size = 1 if ulysses is None else ulysses.size
         self.size = ring.size * self.ulysses_size
-        self.source = torch.distributed.get_global_rank(group, 0)
 
     @property
     def head_split(self) -> int:
@@ -69,16 +69,6 @@ class RingShard:
         if self.ulysses is None:
             return around_the_ring(q, k, values)
         return self.ulysses.attend(LocalAttention(around_the_ring, inputs), q, k, values)
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        total = x.detach().clone()
-        torch.distributed.all_reduce(total, group=self.group)
-        return total
-
-    def same(self, x: torch.Tensor) -> torch.Tensor:
-        shared = x.detach().contiguous().clone()
-        torch.distributed.broadcast(shared, src=self.source, group=self.group)
-        return shared
 
 
 _groups: dict[tuple[int, int, int], tuple[dict[int, Any], dict[int, Any]]] = {}  # per layout: rank -> its groups

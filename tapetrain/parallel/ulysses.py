@@ -26,6 +26,7 @@ import torch
 from tapetrain.distributed import DistEnv, skip_cpu_shm_op_build
 from tapetrain.errors import RunError
 from tapetrain.model.sequence_shard import LocalAttention, local_tokens
+from tapetrain.parallel.group_reductions import GroupReductions
 from tapetrain.parallel.layout import ParallelLayout, local_ranks_warning
 
 log = logging.getLogger("tapetrain.train")
@@ -36,30 +37,19 @@ def _call_given(q: torch.Tensor, k: torch.Tensor, values: torch.Tensor, local_at
     return local_attention(q, k, values)
 
 
-class UlyssesShard:
+class UlyssesShard(GroupReductions):
     """The model's SequenceShard (tapetrain.model.sequence_shard) over one sequence-parallel group."""
 
     def __init__(self, group: Any, rank: int, size: int):
         from deepspeed.sequence.layer import DistributedAttention
 
         self.group, self.rank, self.size = group, rank, size
-        self.source = torch.distributed.get_global_rank(group, 0)
         # (B, T/N, H, ·) -> all-to-all over heads (index 2) gathering tokens (index 1) -> (B, T, H/N, ·), and back
         self._exchange = DistributedAttention(_call_given, group, scatter_idx=2, gather_idx=1)
 
     def attend(self, local_attention: LocalAttention, q: torch.Tensor, k: torch.Tensor,
                values: torch.Tensor) -> torch.Tensor:
         return self._exchange(q, k, values, 0, None, local_attention)  # batch index 0, no rotary inside
-
-    def sum(self, x: torch.Tensor) -> torch.Tensor:
-        total = x.detach().clone()
-        torch.distributed.all_reduce(total, group=self.group)
-        return total
-
-    def same(self, x: torch.Tensor) -> torch.Tensor:
-        shared = x.detach().contiguous().clone()
-        torch.distributed.broadcast(shared, src=self.source, group=self.group)
-        return shared
 
 
 class EngineMpu:

@@ -136,18 +136,10 @@ def plan_float8(model: nn.Module, recipe: str) -> Float8Conversion:
 
 
 def _import_float8() -> tuple[Callable, type, type]:
-    """torchao.float8's converter, config and module class. Its import logs a warning per CUDA extension it cannot
-    load (every one on a CPU machine) and torch's pytree deprecation: quiet them, they are not ours to fix."""
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [lg.level for lg in quiet]
-    for lg in quiet:
-        lg.setLevel(logging.ERROR)
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.float8_linear import Float8Linear
-    finally:
-        for lg, level in zip(quiet, levels, strict=True):
-            lg.setLevel(level)
+    """torchao.float8's converter, config and module class (its import noise is filtered: tapetrain.import_noise)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
+
     return convert_to_float8_training, Float8LinearConfig, Float8Linear
 
 
