@@ -92,9 +92,10 @@ def resolve_run_plan(cfg: RunConfig, model_config: ModelConfig, device: torch.de
 
 
 def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
-                       checkpoints: CheckpointManager, tokenizer_origin: str = "data.tokenizer") -> StartChecks:
+                       checkpoints: CheckpointManager, tokenizer_origin: str = "data.tokenizer",
+                       plan: ExecutionPlan | None = None) -> StartChecks:
     """Resume compatibility, data manifests and tokenizer, then (rank 0) data.verify: on every rank, collectively,
-    before anything is written."""
+    before anything is written. `plan`: the run's execution plan where the caller resolved it already."""
     from tapetrain.data.cache import ShardCache
     from tapetrain.data.provenance import common_tokenizer
     from tapetrain.data.stream import open_dataset
@@ -122,14 +123,14 @@ def check_before_start(cfg: RunConfig, env: DistEnv, model_config: ModelConfig,
                 raise ConfigError(f"the data was tokenized with vocab {dataset.vocab_size} but model.init_from="
                                   f"{cfg.model.init_from} has vocab_size={vocab}; prepare the data with the "
                                   "checkpoint's tokenizer (`tapetrain data prepare --tokenizer CHECKPOINT_DIR`)")
-        plan = resolve_run_plan(cfg, model_config, env.device)
+        run_plan = plan or resolve_run_plan(cfg, model_config, env.device)
         if train.document_mask and model_config.s2_attn:
             raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document "
                               "mask; set model.s2_attn=false or data.document_mask=false")
         paths = [s.path for s in [*cfg.data.train, *cfg.data.val]]
         checkpoints.check_training_setup(common_tokenizer(paths, cfg.data.tokenizer, tokenizer_origin),
                                          resume_checks.data_settings(cfg, train))
-        found.update(resume=resume, train_dataset=train, val_dataset=val, plan=plan)
+        found.update(resume=resume, train_dataset=train, val_dataset=val, plan=run_plan)
 
     agree(env, check)
     if cfg.data.verify:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from tapetrain.distributed import DistEnv
 from tapetrain.errors import ConfigError
@@ -23,14 +24,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("tapetrain.train")
 
 
-def _parameter_counts(cfg: RunConfig, model_config: ModelConfig) -> tuple[int, int]:
-    """(total, trainable) of the model this config builds, counted on the meta device (no memory, no weights).
-    LoRA adapters are not added: they are small next to what the estimate is for."""
+def _meta_model(model_config: ModelConfig) -> nn.Module:
+    """The model this config builds, on the meta device (no memory, no weights): what the counts and float8's
+    conversion are read from."""
     from tapetrain.model import Transformer
-    from tapetrain.train.optim import apply_trainable
 
     with torch.device("meta"):
-        model = Transformer(model_config)
+        return Transformer(model_config)
+
+
+def _parameter_counts(cfg: RunConfig, model: nn.Module) -> tuple[int, int]:
+    """(total, trainable) of the meta model with train.trainable applied (it sets requires_grad, nothing else).
+    LoRA adapters are not added: they are small next to what the estimate is for."""
+    from tapetrain.train.optim import apply_trainable
+
     if cfg.train.trainable.startswith("lora"):
         return model.num_params(), 0
     trainable, total = apply_trainable(model, cfg.train.trainable)
@@ -72,7 +79,8 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
     if cfg.data.document_mask and model_config.s2_attn:  # as a start refuses it (tapetrain.train.build)
         raise ConfigError("data.document_mask with model.s2_attn: shifted sparse attention has no document mask; set "
                           "model.s2_attn=false or data.document_mask=false")
-    total, trainable = _parameter_counts(cfg, model_config)
+    meta_model = _meta_model(model_config)
+    total, trainable = _parameter_counts(cfg, meta_model)
     plan, refusal = run_plan_or_refusal(cfg, model_config)
     accum = cfg.grad_accum_steps(world)
     layout = ParallelLayout(world, cfg.parallel.sequence_parallel, cfg.parallel.context_parallel)
@@ -91,19 +99,16 @@ def print_resolved(config_path: str, overrides: list[str], world_size: int | Non
         f"tokens in the run: {cfg.tokens_per_step(world) * cfg.train.steps:,} ({cfg.train.steps} steps)",
         *_memory_lines(cfg, model_config, world, total, trainable, plan),
         *(plan.lines(cfg.data.document_mask) if plan is not None else [refusal]),
-        *_float8_lines(cfg, model_config),
+        *_float8_lines(cfg, model_config, meta_model),
     ]
     print("\n".join(lines))
     return 0
 
 
-def _float8_lines(cfg: RunConfig, model_config: ModelConfig) -> list[str]:
-    """train.float8: the conversion rule and what it converts in this model (a meta-device copy), on this device."""
-    from tapetrain.model import Transformer
+def _float8_lines(cfg: RunConfig, model_config: ModelConfig, model: nn.Module) -> list[str]:
+    """train.float8: the conversion rule and what it converts in this (meta-device) model, on this device."""
     from tapetrain.train.float8 import plan_lines
 
-    with torch.device("meta"):
-        model = Transformer(model_config)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return plan_lines(cfg.train.float8, model, device, compiled=model_config.compile)
 
@@ -136,12 +141,13 @@ def dry_run(cfg: RunConfig, env: DistEnv) -> int:
     from tapetrain.train.start_checks import check_remote_data
 
     model_config = resolve_model_config_agreed(cfg, env)
-    resolve_run_plan(cfg, model_config, env.device)  # what this device cannot run is refused before data is read
+    plan = resolve_run_plan(cfg, model_config, env.device)  # what this device cannot run is refused before data
     cfg, tokenizer_origin = run_config_as_written(cfg, model_config)  # the tokenizer a start would adopt
     build_deepspeed_config(cfg, env.world_size)
-    start = check_before_start(cfg, env, model_config, CheckpointManager(cfg, env, model_config), tokenizer_origin)
+    start = check_before_start(cfg, env, model_config, CheckpointManager(cfg, env, model_config), tokenizer_origin,
+                               plan=plan)
     agree(env, lambda: check_remote_data(cfg, start.train_dataset, start.val_dataset), on_main_only=True)
-    total, trainable = _parameter_counts(cfg, model_config)
+    total, trainable = _parameter_counts(cfg, _meta_model(model_config))
     d = cfg.deepspeed
     needed = disk.checkpoint_bytes(total, trainable, d.precision, d.zero_stage, env.world_size,
                                    d.stage3_gather_16bit_weights_on_model_save)
