@@ -65,3 +65,16 @@ def two_checkpoints(tmp_path_factory, small_shard_dir) -> Path:
     (root / "launch.log").write_text(proc.stdout)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return root / "run"
+
+
+@pytest.fixture(scope="session")
+def short_docs(shard_dir, tmp_path_factory):
+    """Documents of 3 stdlib source lines (tens of tokens each), with shard_dir's tokenizer."""
+    from tapetrain.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("short")
+    lines = (Path(sysconfig.get_paths()["stdlib"]) / "textwrap.py").read_text().splitlines()
+    docs = ["\n".join(lines[i : i + 3]) for i in range(0, len(lines), 3) if "".join(lines[i : i + 3]).strip()]
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    prepare([str(root / "corpus.jsonl")], str(shard_dir.parent / "tok.model"), str(root / "data"), progress=False)
+    return root / "data"

@@ -12,7 +12,18 @@ from pathlib import Path
 
 import psutil
 import pytest
-from harness import DEEPSPEED, REPO, env, free_port, launcher_cmd, losses, run, single_cmd, write_config
+from harness import (
+    DEEPSPEED,
+    REPO,
+    env,
+    free_port,
+    launcher_cmd,
+    losses,
+    run,
+    script_launcher_cmd,
+    single_cmd,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -107,15 +118,25 @@ def test_nan_skip_gives_up_after_max_skips(tmp_path, shard_dir):
     assert "3 steps in a row were skipped" in proc.stderr
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory, shard_dir) -> dict[int, Path]:
+    """2 ranks straight to step 6 (checkpoints at steps 3 and 6) with ZeRO-2 and with ZeRO-3: one launch."""
+    root = tmp_path_factory.mktemp("straight")
+    cases = [{"config": str(write_config(root / f"z{stage}.yaml", shard_dir, root / f"z{stage}",
+                                         deepspeed={"zero_stage": stage})), "overrides": []} for stage in (2, 3)]
+    (root / "cases.json").write_text(json.dumps(cases))
+    run(script_launcher_cmd(Path(__file__).with_name("run_cases_worker.py"), 2, str(root / "cases.json")))
+    return {stage: root / f"z{stage}" for stage in (2, 3)}
+
+
 @pytest.mark.parametrize("stage", [2, 3])
-def test_resume_on_a_different_number_of_ranks(tmp_path, shard_dir, stage):
+def test_resume_on_a_different_number_of_ranks(tmp_path, shard_dir, stage, two_rank_runs):
     """2 ranks to step 3, then 1 rank to step 6 (same global batch and LR schedule) vs 2 ranks straight to step 6.
 
     Weights and Adam moments carry over (ZeRO-2 through a universal checkpoint, ZeRO-3 by re-partitioning the
     saved fp32 masters and moments): every later loss matches (1 vs 2 ranks is otherwise bit-identical here).
     ZeRO-3 used to reset the moments; a resume from zeroed moments shows that step 5 would then differ."""
-    straight = tmp_path / "straight"
-    run(launcher_cmd(write_config(tmp_path / "s.yaml", shard_dir, straight, deepspeed={"zero_stage": stage}), 2))
+    straight = two_rank_runs[stage]
     out = tmp_path / "run"
     cfg = write_config(tmp_path / "r.yaml", shard_dir, out, deepspeed={"zero_stage": stage})
     # The run to resume is that same 2-rank run (6-step LR schedule, checkpoints at steps 3 and 6): a copy of it,

@@ -1,5 +1,5 @@
 """parallel.context_parallel: the errors a config gets before anything runs, the batch arithmetic, the DeepSpeed JSON
-and the groups --print-config shows. (The trainings: tests/distributed/test_context_parallel.py.)"""
+and the groups --print-config shows. (The trainings: tests/distributed/test_sequence_parallel.py.)"""
 
 from __future__ import annotations
 
