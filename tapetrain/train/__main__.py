@@ -14,4 +14,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code != 0:
+        from tapetrain.distributed import end_rank_process, under_launcher
+
+        if under_launcher():
+            # A failed rank's peers may be gone already: left to interpreter shutdown, gloo's threads can meet C++
+            # static destruction unjoined and abort the rank (SIGABRT: the launcher reported 250, not 1). The run
+            # has written and closed what it writes (its finally blocks ran); leave without static destruction.
+            end_rank_process(code)
+    sys.exit(code)
