@@ -67,15 +67,33 @@ def plan(sizes: dict[str, int], max_bytes: int) -> tuple[list[list[tuple[str, in
     return parts, chunks
 
 
-def split(directory: Path, max_mib: float) -> list[Path]:
-    """Lay the wheels of `directory` out into part-N/ directories (see the module docstring); returns the parts."""
+def distribution(wheel_name: str) -> str:
+    """A wheel file's distribution name, normalised as pip compares them ("Liger-Kernel" = "liger_kernel")."""
+    return wheel_name.split("-")[0].lower().replace(".", "_")
+
+
+def split(directory: Path, max_mib: float, first: list[str] | None = None) -> list[Path]:
+    """Lay the wheels of `directory` out into part-N/ directories (see the module docstring); returns the parts.
+    `first`: distributions that go, whole and alone, into part-1, so that its call can use them before the rest
+    (the large flash-attn-4 set) has arrived."""
     wheels = sorted(directory.glob("*.whl"))
     if not wheels:
         raise SystemExit(f"no wheels in {directory}: run `make gpu-wheels` (it downloads them, then splits)")
+    sizes = {w.name: w.stat().st_size for w in wheels}
+    wanted = {n.lower().replace("-", "_").replace(".", "_") for n in first or []}
+    early = {name: size for name, size in sizes.items() if distribution(name) in wanted}
+    missing = sorted(wanted - {distribution(name) for name in early})
+    if missing:
+        raise SystemExit(f"--first names no wheel for: {', '.join(missing)} (in {directory})")
+    max_bytes = int(max_mib * MIB)
+    if sum(early.values()) > max_bytes:
+        raise SystemExit(f"the --first wheels ({sum(early.values()) / MIB:.1f} MiB) do not fit one part of "
+                         f"{max_mib} MiB: name fewer or raise --max-mib")
     for old in directory.glob("part-*"):
         shutil.rmtree(old)
-    sizes = {w.name: w.stat().st_size for w in wheels}
-    parts, chunks = plan(sizes, int(max_mib * MIB))
+    parts, chunks = plan(early, max_bytes) if early else ([], {})
+    later, later_chunks = plan({n: s for n, s in sizes.items() if n not in early}, max_bytes)
+    parts, chunks = parts + later, {**chunks, **later_chunks}
     manifest: dict = {"max_mib": max_mib, "parts": len(parts), "wheels": {}}
     for w in wheels:
         manifest["wheels"][w.name] = {"sha256": sha256(w), "size": sizes[w.name], "chunks": []}
@@ -167,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("split", help="lay the downloaded wheels out into parts")
     p.add_argument("directory", type=Path)
     p.add_argument("--max-mib", type=float, default=DEFAULT_MAX_MIB, help=f"part size (default {DEFAULT_MAX_MIB})")
+    p.add_argument("--first", default="", help="comma-separated distributions that travel alone in part-1")
     p = sub.add_parser("install", help="install what a part completes (on the GPU machine)")
     p.add_argument("part", type=Path, help="a part-N directory (or the whole set, every part present)")
     p.add_argument("--site", type=Path, required=True, help="pip --target directory (on PYTHONPATH)")
@@ -174,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable, help="the interpreter whose pip installs")
     args = parser.parse_args(argv)
     if args.command == "split":
-        for part in split(args.directory, args.max_mib):
+        first = [name for name in args.first.split(",") if name]
+        for part in split(args.directory, args.max_mib, first):
             size = sum(f.stat().st_size for f in part.iterdir()) / MIB
             print(f"{part}: {size:.1f} MiB, {len(list(part.iterdir())) - 1} file(s)")
         return 0

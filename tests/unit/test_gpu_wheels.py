@@ -14,6 +14,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tools"))
 import gpu_wheels  # noqa: E402
@@ -78,3 +80,36 @@ def test_a_damaged_chunk_is_refused_and_nothing_is_installed(tmp_path, capsys):
     codes = [gpu_wheels.install(part, tmp_path / "site", tmp_path / "stage", sys.executable) for part in parts]
     assert codes[-1] == 1 and "is not the manifest's" in capsys.readouterr().err
     assert not (tmp_path / "stage" / "bigpkg-1.0-py3-none-any.whl").exists() and not (tmp_path / "site").exists()
+
+
+def test_the_first_part_alone_installs_the_named_wheels(tmp_path):
+    """`split --first`: the wheels everything but flash-attn-4 needs travel in part-1 alone, so the first device call
+    can run the campaign while the large wheel's chunks follow in later calls."""
+    wheels = tmp_path / "gpu-wheels"
+    wheels.mkdir()
+    rng = random.Random(1)
+    _wheel(wheels, "bigpkg", bytes(rng.getrandbits(8) for _ in range(150_000)))
+    _wheel(wheels, "small_a", b"a" * 20_000)
+    _wheel(wheels, "small_b", b"b" * 30_000)
+    parts = gpu_wheels.split(wheels, 0.125, first=["small-a", "Small_B"])  # names as pip spells them
+    assert sorted(f.name for f in parts[0].iterdir()) == ["manifest.json", "small_a-1.0-py3-none-any.whl",
+                                                          "small_b-1.0-py3-none-any.whl"]
+    site, stage = tmp_path / "site", tmp_path / "stage"
+    assert gpu_wheels.install(parts[0], site, stage, sys.executable) == gpu_wheels.WAITING  # bigpkg still to come
+    env = dict(os.environ, PYTHONPATH=str(site))
+    probe = subprocess.run([sys.executable, "-c", "import small_a, small_b"], env=env, capture_output=True, text=True)
+    assert probe.returncode == 0, probe.stderr
+    codes = [gpu_wheels.install(part, site, stage, sys.executable) for part in parts[1:]]
+    assert codes[-1] == 0 and (site / "bigpkg").is_dir()
+
+
+def test_first_names_that_match_no_wheel_or_overflow_a_part_are_refused(tmp_path):
+    wheels = tmp_path / "gpu-wheels"
+    wheels.mkdir()
+    _wheel(wheels, "small_a", b"a" * 20_000)
+    _wheel(wheels, "small_b", b"b" * 30_000)
+    with pytest.raises(SystemExit, match="no wheel for: nosuch"):
+        gpu_wheels.split(wheels, 0.125, first=["nosuch"])
+    with pytest.raises(SystemExit, match="do not fit one part"):
+        gpu_wheels.split(wheels, 0.08, first=["small_a", "small_b"])
+    assert len(list(wheels.glob("*.whl"))) == 2  # refused before anything moved
