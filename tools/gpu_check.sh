@@ -71,7 +71,7 @@ RECORD="$PY $REPO/tools/kernel_record.py from-junit $OUT/gpu-tests-first.xml $OU
 STAGES=(
   "install|5|90|install_wheels"
   "env|20|60|describe_machine"
-  "gpu-tests-first|$FIRST_ESTIMATE|150|cd $REPO && if [ -n \"$FIRST\" ]; then $PYTEST --junitxml=$OUT/gpu-tests-first.xml $FIRST; else echo 'nothing failed in the newest committed campaign'; fi"
+  "gpu-tests-first|$FIRST_ESTIMATE|150|cd $REPO && if [ -n \"$FIRST\" ]; then $PYTEST $XDIST_TESTS --junitxml=$OUT/gpu-tests-first.xml $FIRST; else echo 'nothing failed in the newest committed campaign'; fi"
   "gpu-tests|150|360|cd $REPO && $PYTEST $XDIST_MODULES -m 'gpu or verifies' $DESELECT --ignore=$FA4_TESTS --junitxml=$OUT/gpu-tests.xml tests"
   "gpu-tests-fa4|120|240|cd $REPO && $PYTEST $XDIST_TESTS $FA4_TESTS --junitxml=$OUT/gpu-tests-fa4.xml; rc=\$?; $RECORD; exit \$rc"
   "kernel-record|15|60|$RECORD"

@@ -154,9 +154,13 @@ def install(part: Path, site: Path, stage: Path, python: str) -> int:
     for f in part.iterdir():
         if f.name != MANIFEST and not (stage / f.name).exists():
             shutil.copyfile(f, stage / f.name)
+    # Every complete wheel goes in with one pip call, also those an earlier part installed: pip --target --upgrade
+    # replaces a top-level directory that exists, so wheels that share one (CuTe DSL's nvidia_cutlass_dsl/) must
+    # be installed together, or the later part deletes the earlier one's files.
     ready, waiting = [], []
     for name, entry in sorted(manifest["wheels"].items()):
         if (stage / f"{name}.installed").exists():
+            ready.append(stage / name)
             continue
         try:
             wheel = _join(name, entry, stage)
@@ -167,12 +171,12 @@ def install(part: Path, site: Path, stage: Path, python: str) -> int:
             waiting.append(f"{name} (parts {sorted({c['part'] for c in entry['chunks']})})")
         else:
             ready.append(wheel)
-    if ready:
+    if any(not (stage / f"{wheel.name}.installed").exists() for wheel in ready):
         subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
                         "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, ready)], check=True)
         for wheel in ready:
             (stage / f"{wheel.name}.installed").touch()
-    print(f"gpu_wheels: installed {len(ready)} wheel(s) into {site} from {part.name}")
+        print(f"gpu_wheels: installed {len(ready)} wheel(s) into {site} from {part.name} (all complete so far)")
     if waiting:
         print("gpu_wheels: waiting for another part: " + ", ".join(waiting))
         return WAITING

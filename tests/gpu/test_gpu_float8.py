@@ -39,7 +39,7 @@ def _loss_and_grads(model: Transformer, ids: torch.Tensor) -> tuple[float, dict[
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("recipe", ["rowwise", "tensorwise"])
 @pytest.mark.parametrize("pe", ["tape", "rope"])
-def test_float8_forward_backward_against_bf16(pe, recipe, compiled):
+def test_float8_forward_backward_against_bf16(pe, recipe, compiled, record_property):
     assert resolve_float8(recipe, torch.device("cuda"), emulate=False) == recipe
     ids = torch.randint(0, 1024, (4, 257), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     reference = _model(pe, compiled)
@@ -49,6 +49,11 @@ def test_float8_forward_backward_against_bf16(pe, recipe, compiled):
     loss_ref, grads_ref = _loss_and_grads(reference, ids)
     loss, grads = _loss_and_grads(model, ids)
     assert loss != loss_ref and abs(loss - loss_ref) < 0.01 * loss_ref  # FP8 ran, and rounds little
-    for name in ("layers.1.attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "embed.weight"):
-        rel = float((grads[name] - grads_ref[name]).norm() / grads_ref[name].norm())
-        assert rel < 0.15, (name, rel)
+    rel = {name: float((grads[name] - grads_ref[name]).norm() / grads_ref[name].norm())
+           for name in ("layers.1.attn.q_proj.weight", "layers.1.mlp.down_proj.weight", "embed.weight")}
+    record_property("grad_rel_err", rel)
+    # 0.25, not the emulation's 0.15 (tests/unit/test_float8.py): on the H200 (2026-11-28 campaign, gpu-tests.log)
+    # q_proj's gradient differed by 0.177-0.191 in all 8 cases. Hopper's FP8 tensor cores accumulate in reduced
+    # precision, which the emulation (an fp32 matmul of FP8-rounded inputs) does not model; the loss still agrees
+    # within 1% (above).
+    assert all(r < 0.25 for r in rel.values()), rel

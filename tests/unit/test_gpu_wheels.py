@@ -23,9 +23,9 @@ import gpu_wheels  # noqa: E402
 sys.path.pop(0)
 
 
-def _wheel(directory: Path, name: str, payload: bytes) -> Path:
-    """A valid pure-Python wheel whose module `name` holds `payload` (as a bytes literal's hex)."""
-    files = {f"{name}/__init__.py": f"DATA = bytes.fromhex({payload.hex()!r})\n".encode(),
+def _wheel(directory: Path, name: str, payload: bytes, package: str | None = None) -> Path:
+    """A valid pure-Python wheel whose package (`name`, or the path `package`) holds `payload` (as hex)."""
+    files = {f"{package or name}/__init__.py": f"DATA = bytes.fromhex({payload.hex()!r})\n".encode(),
              f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n".encode(),
              f"{name}-1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
                                             b"Tag: py3-none-any\n"}
@@ -113,3 +113,19 @@ def test_first_names_that_match_no_wheel_or_overflow_a_part_are_refused(tmp_path
     with pytest.raises(SystemExit, match="do not fit one part"):
         gpu_wheels.split(wheels, 0.08, first=["small_a", "small_b"])
     assert len(list(wheels.glob("*.whl"))) == 2  # refused before anything moved
+
+
+def test_wheels_sharing_a_top_level_directory_keep_each_others_files_across_parts(tmp_path):
+    """CuTe DSL's wheels all install under nvidia_cutlass_dsl/: pip --target --upgrade replaces a top-level directory
+    that exists, so installing the wheels of a later part on their own deleted an earlier part's files there (on the
+    H200: `No module named 'cutlass.cute'`). Each install puts every complete wheel in at once."""
+    wheels = tmp_path / "gpu-wheels"
+    wheels.mkdir()
+    _wheel(wheels, "shared_a", b"a" * 40_000, package="shared/a")  # 80 KB as hex: one part each
+    _wheel(wheels, "shared_b", b"b" * 40_000, package="shared/b")
+    parts = gpu_wheels.split(wheels, 0.125)
+    assert len(parts) == 2
+    site, stage = tmp_path / "site", tmp_path / "stage"
+    codes = [gpu_wheels.install(part, site, stage, sys.executable) for part in parts]
+    assert codes == [gpu_wheels.WAITING, 0]
+    assert (site / "shared" / "a" / "__init__.py").exists() and (site / "shared" / "b" / "__init__.py").exists()
