@@ -40,22 +40,31 @@ def stage_lines(out: Path) -> list[str]:
     return lines
 
 
+def _cases(out: Path) -> list[ET.Element]:
+    """The campaign's test cases, each once: a rerun's result replaces the first (tapetrain.bench.junit_cases)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tapetrain" / "bench"))
+    try:
+        from junit_cases import newest_cases  # stdlib only; importing tapetrain.bench would import torch
+    finally:
+        sys.path.pop(0)
+    return newest_cases(sorted(out.glob("gpu-tests*.xml")))
+
+
 def test_lines(out: Path) -> tuple[list[str], dict[str, int]]:
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     lines = ["| test | result | detail |", "|---|---|---|"]
-    for xml in sorted(out.glob("gpu-tests*.xml")):
-        for case in ET.parse(xml).getroot().iter("testcase"):
-            name = f"{case.get('classname', '').removeprefix('tests.')}::{case.get('name')}"
-            failure = case.find("failure") if case.find("failure") is not None else case.find("error")
-            skipped = case.find("skipped")
-            if failure is not None:
-                outcome, detail = "failed", (failure.get("message") or "").splitlines()[0][:160]
-            elif skipped is not None:
-                outcome, detail = "skipped", (skipped.get("message") or "")[:160]
-            else:
-                outcome, detail = "passed", f"{float(case.get('time', 0)):.1f} s"
-            counts[outcome] += 1
-            lines.append(f"| {name} | {outcome} | {detail.replace('|', '/')} |")
+    for case in _cases(out):
+        name = f"{case.get('classname', '').removeprefix('tests.')}::{case.get('name')}"
+        failure = case.find("failure") if case.find("failure") is not None else case.find("error")
+        skipped = case.find("skipped")
+        if failure is not None:
+            outcome, detail = "failed", (failure.get("message") or "").splitlines()[0][:160]
+        elif skipped is not None:
+            outcome, detail = "skipped", (skipped.get("message") or "")[:160]
+        else:
+            outcome, detail = "passed", f"{float(case.get('time', 0)):.1f} s"
+        counts[outcome] += 1
+        lines.append(f"| {name} | {outcome} | {detail.replace('|', '/')} |")
     return lines, counts
 
 
@@ -141,11 +150,10 @@ def last_failed(root: Path = Path("docs/benchmarks/gpu")) -> list[str]:
         return []
     newest = max(dirs, key=lambda d: (d.name[-10:], d.name))
     failed = []
-    for xml in sorted(newest.glob("gpu-tests*.xml")):
-        for case in ET.parse(xml).getroot().iter("testcase"):
-            if case.find("failure") is not None or case.find("error") is not None:
-                module = case.get("classname", "").replace(".", "/")
-                failed.append(f"{module}.py::{case.get('name')}")
+    for case in _cases(newest):
+        if case.find("failure") is not None or case.find("error") is not None:
+            module = case.get("classname", "").replace(".", "/")
+            failed.append(f"{module}.py::{case.get('name')}")
     return failed
 
 

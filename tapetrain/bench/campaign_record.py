@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
+from tapetrain.bench.junit_cases import newest_cases
 from tapetrain.bench.report import write_json_atomic
 from tapetrain.model import kernel_record
 from tapetrain.model.kernel_record import KernelKey
@@ -34,15 +35,14 @@ def record_from_junit(xml_paths: Iterable[Path], *, device: str, capability: str
     """One campaign: every path some test claims (`verifies` properties), passed when at least one claiming test
     passed and none failed. Skipped tests verify nothing. Each path lists its tests and their outcomes."""
     tests: dict[KernelKey, list[tuple[str, str]]] = {}
-    for xml_path in xml_paths:
-        for case in ET.parse(xml_path).getroot().iter("testcase"):
-            name = f"{case.get('classname', '')}::{case.get('name', '')}"
-            outcome = _outcome(case)
-            for claim in _claims(case):
-                dtypes = claim.pop("dtypes", None) or [claim.pop("dtype", "bf16")]
-                for dt in dtypes:
-                    path = KernelKey(capability=capability, dtype=dt, **claim)
-                    tests.setdefault(path, []).append((name, outcome))
+    for case in newest_cases(xml_paths):  # a rerun's result replaces the first (gpu-tests-rerun*.xml)
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        outcome = _outcome(case)
+        for claim in _claims(case):
+            dtypes = claim.pop("dtypes", None) or [claim.pop("dtype", "bf16")]
+            for dt in dtypes:
+                path = KernelKey(capability=capability, dtype=dt, **claim)
+                tests.setdefault(path, []).append((name, outcome))
     paths = []
     for path, results in sorted(tests.items(), key=lambda item: repr(item[0])):
         outcomes = {outcome for _, outcome in results}

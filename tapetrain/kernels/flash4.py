@@ -148,7 +148,7 @@ def fa4_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_ids: torch.Tens
     packing = _packing(q_ids, k_ids)
     out, lse = _calls.fwd(_pack(q, packing), _pack(k, packing), _pack(v, packing), scale=scale, causal=causal,
                           packing=packing)
-    return _unpack(out, q, packing), _unpack_lse(lse, q.shape[0], packing)
+    return _unpack(out, q, packing).contiguous(), _unpack_lse(lse, q.shape[0], packing).contiguous()
 
 
 @fa4_fwd.register_fake
@@ -174,12 +174,14 @@ def fa4_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         dq, dk = (dq_i, dk_i) if dq is None else (dq + dq_i, dk + dk_i)
         dvs.append(dv_i)
     dv = dvs[0] if len(dvs) == 1 else torch.cat(dvs, dim=-1)
-    return _unpack(dq, q, packing), _unpack(dk, k, packing), _unpack(dv, v, packing)
+    return tuple(_unpack(g, x, packing).contiguous() for g, x in ((dq, q), (dk, k), (dv, v)))
 
 
 @fa4_bwd.register_fake
 def _(dout, q, k, v, out, lse, q_ids, k_ids, scale, causal, bwd_split):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    # contiguous, as the op returns them (flash-attn-4 writes dense outputs for the dense inputs _pack gives it),
+    # not empty_like: the model's q/k/v are strided views, and Inductor checks the strides a fake promises
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -221,6 +223,19 @@ def _attend(q, k, v, *, scale: float, causal: bool, docs, bwd_split: int = 0) ->
     return out.transpose(1, 2)
 
 
+# flash-attn-4 (4.0.0b36) sizes its sm90 backward tiles by the query head dim alone: with values twice as wide as
+# the keys the kernel asks for more shared memory than Hopper has (248832 > 232448 bytes at D = 64, H200,
+# 2026-11-28), so CUDA refuses the launch. fa4_wide_fwd keeps the wide forward and runs the backward as two D x D calls.
+WIDE_BACKWARD_ON_SM90 = ("model.attn_backend=fa4_wide cannot train on Hopper (sm90): flash-attn-4's sm90 backward "
+                         "does not fit values twice as wide as the keys in shared memory; use fa4_wide_fwd (the same "
+                         "wide forward, a D x D backward) or auto")
+
+
+def _capability(device: torch.device) -> int | None:
+    """The CUDA compute capability's major number of `device` (None off CUDA)."""
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+
 def fa4_tape_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -238,6 +253,9 @@ def fa4_tape_attention(
         raise ValueError(f"strategy={strategy!r}; choose one of {', '.join(STRATEGIES)}")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise ValueError(f"flash-attn-4 needs fp16/bf16 inputs, got {q.dtype}; set model.attn_backend=sdpa")
+    if strategy == "wide" and e is not None and torch.is_grad_enabled() and _capability(q.device) == 9:
+        if any(x.requires_grad for x in (q, k, v, e)):
+            raise ValueError(WIDE_BACKWARD_ON_SM90)
     n_heads, d = q.shape[1], q.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     run = {"scale": scale, "causal": causal, "docs": docs}

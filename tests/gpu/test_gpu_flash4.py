@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tapetrain.kernels import flash4
 from tapetrain.model import attention as attn
 from tapetrain.model.documents import DocumentMask
 
@@ -47,6 +48,8 @@ def test_fa4_backend_matches_fp32_eager(backend, e, head_dim, docs, gqa, verifie
     for name in attn.FA4_BACKENDS if not e else [backend]:
         verifies(kind="attention", backend=name, dtypes=["bf16"], e=e, docs=docs, gqa=gqa)
     _needs_fa4()
+    if backend == "fa4_wide" and torch.cuda.get_device_capability()[0] == 9:  # skipped: the path stays unverified
+        pytest.skip(flash4.WIDE_BACKWARD_ON_SM90)
     torch.manual_seed(0)
     kv = H // 4 if gqa else H
 

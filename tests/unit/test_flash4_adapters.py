@@ -138,6 +138,22 @@ def test_custom_ops_pass_opcheck(reference):
                               test_utils=("test_schema", "test_faketensor"))
 
 
+def test_the_fakes_give_the_layout_the_ops_return_for_strided_inputs(reference):
+    """The model hands the ops token-major views of heads-first storage (strided, not contiguous). The ops return
+    contiguous tensors, and their fakes must say so: on the H200 (2026-11-28) a compiled layer's backward failed
+    Inductor's stride check because fa4_bwd's fake copied q's strides (`expected ... stride 512==64`)."""
+    def strided(kv_heads):  # (B, T, H, D) views of (B, H, T, D) storage
+        return [t.detach().contiguous().transpose(1, 2) for t in _inputs(kv_heads, e=False)[:3]]
+
+    gqa, mha, ids = strided(2), strided(H), _docs().q_ids
+    assert not gqa[0].is_contiguous()
+    for args in ((*gqa, None, None, 0.25, True, 0), (*mha, ids, ids, 0.25, True, 8)):  # split: sm90 wants MHA
+        torch.library.opcheck(flash4.fa4_fwd, args, test_utils=("test_faketensor",))
+        out, lse = flash4.fa4_fwd(*args)
+        dout = torch.randn(out.shape[0], out.shape[2], out.shape[1], out.shape[3]).to(out.dtype).transpose(1, 2)
+        torch.library.opcheck(flash4.fa4_bwd, (dout, *args[:3], out, lse, *args[3:]), test_utils=("test_faketensor",))
+
+
 @pytest.mark.parametrize("backend", ["fa4_wide_fwd"])  # its op carries the split backward; the others are plainer
 def test_compiles_without_a_graph_break(reference, backend):
     q, k, v, e = _inputs(2, e=True)
@@ -187,3 +203,19 @@ def test_importing_tapetrain_does_not_import_cute_dsl(tmp_path):
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False,
                          env={"PYTHONPATH": f"{tmp_path}:{Path(__file__).parents[2]}", "PATH": ""})
     assert run.stdout.strip() == "lazy", run.stderr
+
+
+def test_the_wide_backward_is_refused_on_hopper_with_the_backend_that_works(reference, monkeypatch):
+    """On the H200 every fa4_wide training case failed at the backward's launch (shared memory 248832 > 232448
+    bytes): on sm90 the backend refuses training by name and points to fa4_wide_fwd; inference is unaffected."""
+    monkeypatch.setattr(flash4, "_capability", lambda device: 9)
+    q, k, v, e = _inputs(H, e=True)
+    with pytest.raises(ValueError, match="fa4_wide cannot train on Hopper.*use fa4_wide_fwd"):
+        attn._IMPLS["fa4_wide"](q, k, v, e, causal=True)
+    with torch.no_grad():
+        out, out_e = attn._IMPLS["fa4_wide"](q, k, v, e, causal=True)
+    assert out.shape == q.shape and out_e.shape == e.shape
+    out, _ = attn._IMPLS["fa4_wide_fwd"](q, k, v, e, causal=True)
+    out.float().sum().backward()
+    monkeypatch.setattr(flash4, "_capability", lambda device: 10)  # not refused elsewhere (unmeasured there)
+    attn._IMPLS["fa4_wide"](q, k, v, e, causal=True)[0].float().sum().backward()

@@ -264,3 +264,36 @@ def test_summary_rows_for_the_fused_updates_appear_when_that_stage_ran(tmp_path)
     rows = [line for line in gpu_summary.target_lines(tmp_path) if "fused E updates" in line]
     assert len(rows) == 2, rows  # the step ratio and RoPE's MFU of that run
     assert "| 1.080× | ≤ 1.1× | yes | train-llama-1b-compile-fused.json |" in rows[0]
+
+
+def test_a_rerun_replaces_the_results_of_the_tests_it_ran_again(tmp_path):
+    """A later call that ran a campaign's failures again after a fix writes gpu-tests-rerun.xml: its outcomes replace
+    those tests' earlier ones in summary.md, in --last-failed and in the kernel record (a path whose test failed,
+    then passed on the rerun, is verified); tests it did not rerun keep their first result."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        from gpu_summary import last_failed, test_lines
+    finally:
+        sys.path.pop(0)
+    from tapetrain.bench.campaign_record import record_from_junit
+
+    claim = '<properties><property name="verifies" value=\'{"kind": "attention", "backend": "triton", "e": true}\'/>' \
+            '</properties>'  # fmt: skip
+    case = '<testcase classname="tests.unit.test_a" name="test_{}" time="1">{}</testcase>'
+
+    def suite(body: str) -> str:
+        return f"<testsuites><testsuite>{body}</testsuite></testsuites>"
+
+    out = tmp_path / "h200-2026-11-28"
+    out.mkdir()
+    first = case.format("fixed", claim + "<failure message='off'/>") + case.format("still", "<failure message='x'/>")
+    (out / "gpu-tests.xml").write_text(suite(first + case.format("ok", "")))
+    assert sorted(last_failed(tmp_path)) == ["tests/unit/test_a.py::test_fixed", "tests/unit/test_a.py::test_still"]
+    (out / "gpu-tests-rerun.xml").write_text(suite(case.format("fixed", claim)))
+    assert last_failed(tmp_path) == ["tests/unit/test_a.py::test_still"]
+    lines, counts = test_lines(out)
+    assert counts == {"passed": 2, "failed": 1, "skipped": 0}
+    assert [line for line in lines if "test_fixed" in line] == ["| unit.test_a::test_fixed | passed | 1.0 s |"]
+    record = record_from_junit(sorted(out.glob("gpu-tests*.xml")), device="H200", capability="9.0", date="2026-11-28",
+                               versions={})  # fmt: skip
+    assert [p["passed"] for p in record["paths"]] == [True]

@@ -37,8 +37,8 @@ def test_performance_doc_tables_are_generated_from_the_json(monkeypatch):
     monkeypatch.chdir(REPO)
     blocks = _generated_blocks((REPO / "docs" / "performance.md").read_text())
     assert set(blocks) == {"tools/gpu_summary.py --memory-model",
-                           "tools/gpu_summary.py docs/benchmarks/gpu/h200-2026-11-27 --targets-only"}
+                           "tools/gpu_summary.py docs/benchmarks/gpu/h200-2026-11-28 --targets-only"}
     assert blocks["tools/gpu_summary.py --memory-model"] == "\n".join(gpu_summary.memory_model_lines())
-    targets = gpu_summary.target_lines(GPU / "h200-2026-11-27")
-    assert blocks["tools/gpu_summary.py docs/benchmarks/gpu/h200-2026-11-27 --targets-only"] == "\n".join(targets)
-    assert "not measured" not in blocks["tools/gpu_summary.py docs/benchmarks/gpu/h200-2026-11-27 --targets-only"]
+    targets = gpu_summary.target_lines(GPU / "h200-2026-11-28")
+    assert blocks["tools/gpu_summary.py docs/benchmarks/gpu/h200-2026-11-28 --targets-only"] == "\n".join(targets)
+    assert "not measured" not in blocks["tools/gpu_summary.py docs/benchmarks/gpu/h200-2026-11-28 --targets-only"]

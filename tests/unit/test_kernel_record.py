@@ -204,8 +204,8 @@ def test_the_committed_record_names_real_paths():
     for campaign in record["campaigns"]:
         assert {"device", "capability", "date", "versions", "paths"} <= set(campaign)
         for path in campaign["paths"]:
-            backends = ATTN_BACKENDS if path["kind"] == "attention" else LOSS_BACKENDS
-            assert path["backend"] in backends and path["dtype"] in ("bf16", "fp16", "fp32"), path
+            backends = {"attention": ATTN_BACKENDS, "loss": LOSS_BACKENDS, "tape_update": ("triton", "eager")}
+            assert path["backend"] in backends[path["kind"]] and path["dtype"] in ("bf16", "fp16", "fp32"), path
             assert path["tests"], path  # every verdict names the tests behind it
 
 
