@@ -41,12 +41,9 @@ def stage_lines(out: Path) -> list[str]:
 
 
 def _cases(out: Path) -> list[ET.Element]:
-    """The campaign's test cases, each once: a rerun's result replaces the first (tapetrain.bench.junit_cases)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tapetrain" / "bench"))
-    try:
-        from junit_cases import newest_cases  # stdlib only; importing tapetrain.bench would import torch
-    finally:
-        sys.path.pop(0)
+    """The campaign's test cases, each once: a rerun's result replaces the first (tapetrain.junit_cases)."""
+    from tapetrain.junit_cases import newest_cases  # the repository is on PYTHONPATH, as in gpu_check.sh
+
     return newest_cases(sorted(out.glob("gpu-tests*.xml")))
 
 

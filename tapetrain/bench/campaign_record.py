@@ -10,8 +10,8 @@ from collections.abc import Iterable
 from dataclasses import asdict
 from pathlib import Path
 
-from tapetrain.bench.junit_cases import newest_cases
 from tapetrain.bench.report import write_json_atomic
+from tapetrain.junit_cases import newest_cases
 from tapetrain.model import kernel_record
 from tapetrain.model.kernel_record import KernelKey
 

@@ -1,5 +1,6 @@
-"""The test cases of a GPU campaign's junit XML files, each test once with its newest result. Standard library only:
-tools/gpu_summary.py reads them on the GPU machine before anything heavy is imported.
+"""The test cases of a GPU campaign's junit XML files, each test once with its newest result (tools/gpu_summary.py's
+tables and --last-failed, and the kernel record of tapetrain.bench.campaign_record). Standard library only:
+gpu_summary.py runs with whatever Python the GPU machine has, before anything is installed.
 
 A campaign's first call writes gpu-tests*.xml. A later call that ran its failures again after a fix (on the same
 or a fresh machine, `pytest ... --junitxml=OUT/gpu-tests-rerun.xml`) writes gpu-tests-rerun*.xml: those outcomes
