@@ -1,7 +1,7 @@
 """The GPU machine's wheel set in parts that each fit one device call's carry (64 MiB with the repository), and
 their installation there, part by part, on the warm machine.
 
-    python tools/gpu_wheels.py split gpu-wheels [--max-mib 50]     # here, after `make gpu-wheels` downloaded them
+    python tools/gpu_wheels.py split gpu-wheels [--max-mib 54] [--first NAME,...]   # here, after make gpu-wheels
     python tools/gpu_wheels.py install gpu-wheels/part-1 --site /tmp/tapetrain-gpu-site   # there, one call a part
 
 `split` moves the wheels of a directory into part-1/, part-2/, ... of at most --max-mib each: whole wheels first
@@ -29,7 +29,7 @@ from tapetrain.atomic_io import write_via  # stdlib only; gpu_check.sh puts the 
 
 MIB = 2**20
 MANIFEST = "manifest.json"
-DEFAULT_MAX_MIB = 50  # a part plus the repository's few MiB stay under the 64 MiB one call carries
+DEFAULT_MAX_MIB = 54  # a part plus the repository's ~9 MiB stay under the 64 MiB one call carries
 DEFAULT_STAGE = Path("/tmp/tapetrain-gpu-wheels")
 WAITING = 3
 
@@ -67,9 +67,14 @@ def plan(sizes: dict[str, int], max_bytes: int) -> tuple[list[list[tuple[str, in
     return parts, chunks
 
 
+def normalised(name: str) -> str:
+    """A distribution name as pip compares them ("Liger-Kernel" = "liger_kernel")."""
+    return name.lower().replace("-", "_").replace(".", "_")
+
+
 def distribution(wheel_name: str) -> str:
-    """A wheel file's distribution name, normalised as pip compares them ("Liger-Kernel" = "liger_kernel")."""
-    return wheel_name.split("-")[0].lower().replace(".", "_")
+    """A wheel file's distribution name, normalised (the file name's first field; wheel names use '_' for '-')."""
+    return normalised(wheel_name.split("-")[0])
 
 
 def split(directory: Path, max_mib: float, first: list[str] | None = None) -> list[Path]:
@@ -80,7 +85,7 @@ def split(directory: Path, max_mib: float, first: list[str] | None = None) -> li
     if not wheels:
         raise SystemExit(f"no wheels in {directory}: run `make gpu-wheels` (it downloads them, then splits)")
     sizes = {w.name: w.stat().st_size for w in wheels}
-    wanted = {n.lower().replace("-", "_").replace(".", "_") for n in first or []}
+    wanted = {normalised(n) for n in first or []}
     early = {name: size for name, size in sizes.items() if distribution(name) in wanted}
     missing = sorted(wanted - {distribution(name) for name in early})
     if missing:
